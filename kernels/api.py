@@ -1,0 +1,85 @@
+"""Public entry points: validate once (shared by every backend), then dispatch to the bound backend."""
+from __future__ import annotations
+
+import torch
+
+from .registry import resolve_backend
+from .validation import check_conv_inputs, check_gated_delta_inputs
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm=False, backend="auto"):
+    """Gated delta rule over whole sequences, chunked (chunk size 64).
+
+    Args:
+        q, k: ``[B, T, Hk, Dk]``. v: ``[B, T, Hv, Dv]`` with ``Hv % Hk == 0``; value head j reads q/k
+            head ``j // (Hv / Hk)`` (grouped value attention; q/k are never repeated).
+        g: ``[B, T, Hv]`` log-space decay, ``g <= 0``, ``-inf`` is a full reset. beta: ``[B, T, Hv]``.
+        scale: multiplies q; default ``Dk ** -0.5``.
+        initial_state: ``[N, Hv, Dk, Dv]`` float32 (float64 for float64 inputs); N = B, or the number of
+            sequences with ``cu_seqlens``.
+        output_final_state: also return the state after each sequence, ``[N, Hv, Dk, Dv]``.
+        cu_seqlens: ``[N + 1]`` int32/int64 boundaries of packed sequences (requires B == 1); the state
+            restarts (from ``initial_state[n]``) at each boundary.
+        use_qk_l2norm: L2-normalise q and k over Dk in fp32 before use (``x * rsqrt(sum x^2 + 1e-6)``).
+        backend: ``"auto"`` or a registered name (``gdn_layer.kernels.available_backends()``).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, Hv, Dv]`` in v's dtype; final_state or None.
+
+    Raises:
+        TypeError / ValueError naming the argument, before any kernel runs (see ``validation``).
+
+    Math: Yang et al., "Gated Delta Networks" (ICLR 2025); chunked form as in fla's ``chunk_gated_delta_rule``.
+    """
+    _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    impl = resolve_backend(backend, q.device)
+    return impl.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state, cu=cu,
+                                       use_qk_l2norm=use_qk_l2norm)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm=False, backend="auto"):
+    """Gated delta rule token by token; same arguments, shapes and errors as ``chunk_gated_delta_rule``.
+
+    Meant for decoding (one or a few tokens per sequence); the float64 torch version is the ground
+    truth of the tests.
+    """
+    _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    impl = resolve_backend(backend, q.device)
+    return impl.recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                           output_final_state=output_final_state, cu=cu,
+                                           use_qk_l2norm=use_qk_l2norm)
+
+
+def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, initial_state=None,
+                  output_final_state=False, backend="auto"):
+    """Depthwise causal 1-D convolution (+ SiLU) that restarts at every packed-sequence boundary.
+
+    Args:
+        x: ``[B, T, C]``. weight: ``[C, W]`` (nn.Conv1d's ``[C, 1, W]`` squeezed). bias: ``[C]`` or None.
+        activation: ``"silu"`` (alias ``"swish"``) or None / ``"identity"``.
+        cu_seqlens: ``[N + 1]`` boundaries (B == 1); no token sees another sequence's inputs.
+        initial_state: ``[N, C, W - 1]``: the W-1 inputs that precede each sequence (zeros if None).
+        output_final_state: also return the last W-1 inputs of each sequence, ``[N, C, W - 1]``.
+
+    Returns:
+        ``(y, final_state)``: y ``[B, T, C]`` in x's dtype; final_state (fp32, or float64) or None.
+    """
+    _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
+    impl = resolve_backend(backend, x.device)
+    return impl.causal_conv1d(x, weight, bias=bias, activation=activation, cu=cu, initial_state=initial_state,
+                              output_final_state=output_final_state)
+
+
+def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
+    """``weight * rmsnorm(x) * silu(z)`` over the last dim (Qwen3-Next's gated RMSNorm).
+
+    x, z: ``[..., Dv]`` same shape; weight ``[Dv]``. Returns x's dtype.
+    """
+    if x.shape != z.shape:
+        raise ValueError(f"x and z must have the same shape, got {tuple(x.shape)} and {tuple(z.shape)}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
+    return resolve_backend(backend, x.device).gated_rms_norm(x, z, weight, eps)

@@ -1,0 +1,195 @@
+"""Torch reference backend: the oracle for every other backend and the path that runs on CPU.
+
+Math: the gated delta rule (Yang, Kautz, Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with
+Delta Rule", ICLR 2025), per value head with state ``S [Dk, Dv]``::
+
+    S_t = exp(g_t) * S_{t-1}
+    S_t = S_t + beta_t * k_t (v_t - S_t^T k_t)^T
+    o_t = S_t^T (scale * q_t)
+
+The chunked form follows the WY / UT-transform of fla's ``chunk_gated_delta_rule`` (chunk size 64):
+inside a chunk with cumulative decay ``G`` the corrections ``delta = (I + L)^{-1} (beta*v - beta*exp(G)*K S0)``
+solve a unit lower-triangular system, ``L_ij = beta_i (k_i . k_j) exp(G_i - G_j)`` for ``i > j``.
+A ``g = -inf`` (reset) is handled exactly: decay ratios across a reset are zero, never ``inf - inf``.
+
+Inputs run in fp32 (float64 when q/k/v are float64); outputs come back in v's dtype, states in the
+compute dtype. Grouped heads: value head ``j`` reads q/k head ``j // r``; q/k are never repeated in
+memory (the Gram matrices ``q k^T``, ``k k^T`` are formed once per k head).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from .varlen import VarlenLayout
+
+CHUNK_SIZE = 64
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2, -1) + eps)``, computed in x's dtype (callers pass fp32/fp64)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, scale, cu, use_qk_l2norm, multiple):
+    """Cast, normalise, and lay out ``[B, T, H, D]`` packed inputs as padded ``[N, L, ...]``."""
+    dt = compute_dtype(q, k, v)
+    B, T, Hk, Dk = k.shape
+    Hv = v.shape[2]
+    layout = VarlenLayout.from_cu_seqlens(cu, B, T, q.device, multiple=multiple)
+    q, k, v, g, beta = (x.to(dt).reshape(B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (Dk ** -0.5 if scale is None else scale)
+    # padding: k = v = beta = g = 0 leaves the state as it is
+    q, k, v, g, beta = (layout.pad(x) for x in (q, k, v, g, beta))
+    r = Hv // Hk
+    v = rearrange(v, "n l (h r) d -> n h r l d", r=r)
+    g, beta = (rearrange(x, "n l (h r) -> n h r l", r=r) for x in (g, beta))
+    q, k = (rearrange(x, "n l h d -> n h 1 l d") for x in (q, k))
+    return q, k, v, g, beta, layout, dt
+
+
+def _finish(o, layout, B, T, out_dtype):
+    """``[N, Hk, r, L, Dv]`` -> packed ``[B, T, Hv, Dv]``."""
+    o = layout.unpad(rearrange(o, "n h r l d -> n l (h r) d"))
+    return o.reshape(B, T, *o.shape[1:]).to(out_dtype)
+
+
+def _initial(initial_state, N, Hk, r, Dk, Dv, dt, device):
+    if initial_state is None:
+        return torch.zeros(N, Hk, r, Dk, Dv, dtype=dt, device=device)
+    return rearrange(initial_state.to(dt), "n (h r) k v -> n h r k v", r=r)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu=None, use_qk_l2norm=False):
+    """Chunked gated delta rule in plain torch (inputs already validated; see the public wrapper).
+
+    Cost: O(T * C * (Dk + Dv) * Hv) flops for the intra-chunk part (C = 64), vectorised over
+    sequences, heads and chunks, plus a Python loop over the ``ceil(T_max / 64)`` chunks of the longest
+    sequence for the state hand-off (a few batched matmuls each). Memory O(T * C * Hv) for the
+    per-chunk ``C x C`` matrices.
+    """
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    r = Hv // Hk
+    out_dtype = v.dtype
+    q, k, v, g, beta, layout, dt = _prepare(q, k, v, g, beta, scale, cu, use_qk_l2norm, CHUNK_SIZE)
+    N, L, C = layout.n, layout.padded_len, CHUNK_SIZE
+    S = _initial(initial_state, N, Hk, r, Dk, Dv, dt, q.device)
+    nc = L // C
+    if nc == 0:
+        o = torch.zeros(N, Hk, r, 0, Dv, dtype=dt, device=q.device)
+        return _finish(o, layout, B, T, out_dtype), (rearrange(S, "n h r k v -> n (h r) k v") if output_final_state else None)
+
+    q, k, v = (rearrange(x, "n h r (c t) d -> n h r c t d", t=C) for x in (q, k, v))
+    g, beta = (rearrange(x, "n h r (c t) -> n h r c t", t=C) for x in (g, beta))
+
+    # Decay inside each chunk. A reset (g = -inf) is counted in R instead of summed into G, so every
+    # ratio exp(G_i - G_j) is finite and ratios across a reset are exactly zero.
+    reset = torch.isneginf(g)
+    G = torch.where(reset, torch.zeros_like(g), g).cumsum(-1)                 # [n h r c t]
+    R = reset.to(torch.int64).cumsum(-1)
+    idx = torch.arange(C, device=q.device)
+    causal = idx[:, None] >= idx[None, :]
+    same = (R[..., :, None] == R[..., None, :]) & causal                     # [n h r c t t]
+    decay = torch.exp(torch.where(same, G[..., :, None] - G[..., None, :], torch.full_like(G[..., :1, None], -float("inf"))))
+    gamma = torch.exp(G) * (R == 0)                                           # decay from chunk start
+    to_end = torch.exp(G[..., -1:] - G) * (R[..., -1:] == R)                  # decay from token to chunk end
+    gamma_end = gamma[..., -1]                                                # [n h r c]
+
+    kk = k @ k.transpose(-1, -2)                                              # per k head: [n h 1 c t t]
+    qk = q @ k.transpose(-1, -2)
+    strict = ~torch.eye(C, dtype=torch.bool, device=q.device)
+    lower = beta[..., :, None] * kk * decay * strict                          # L_ij, i > j
+    eye = torch.eye(C, dtype=dt, device=q.device)
+    A = eye + lower
+    u = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(A, k * (beta * gamma)[..., None], upper=False, unitriangular=True)
+    attn = qk * decay                                                         # includes the diagonal
+    q_dec = q * gamma[..., None]
+    k_dec = k * to_end[..., None]
+
+    outs = []
+    for c in range(nc):
+        delta = u[:, :, :, c] - w[:, :, :, c] @ S                              # [n h r t Dv]
+        outs.append(q_dec[:, :, :, c] @ S + attn[:, :, :, c] @ delta)
+        S = gamma_end[:, :, :, c, None, None] * S + k_dec[:, :, :, c].transpose(-1, -2) @ delta
+    o = torch.stack(outs, 3).reshape(N, Hk, r, L, Dv)
+    final = rearrange(S, "n h r k v -> n (h r) k v") if output_final_state else None
+    return _finish(o, layout, B, T, out_dtype), final
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               cu=None, use_qk_l2norm=False):
+    """Token-by-token gated delta rule (inputs already validated).
+
+    Cost: a Python loop over the ``T_max`` tokens of the longest sequence, vectorised over sequences
+    and heads. Used for decoding (T = 1 per sequence) and, in float64, as the ground truth of tests.
+    """
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    r = Hv // Hk
+    out_dtype = v.dtype
+    q, k, v, g, beta, layout, dt = _prepare(q, k, v, g, beta, scale, cu, use_qk_l2norm, 1)
+    N, L = layout.n, layout.padded_len
+    S = _initial(initial_state, N, Hk, r, Dk, Dv, dt, q.device)
+    outs = []
+    for t in range(L):
+        q_t, k_t = q[:, :, :, t], k[:, :, :, t]                                # [n h 1 Dk]
+        S = S * torch.exp(g[:, :, :, t])[..., None, None]
+        pred = (k_t[..., None, :] @ S).squeeze(-2)                             # S^T k: [n h r Dv]
+        S = S + k_t[..., :, None] * (beta[:, :, :, t, None] * (v[:, :, :, t] - pred))[..., None, :]
+        outs.append((q_t[..., None, :] @ S).squeeze(-2))
+    o = torch.stack(outs, 3) if outs else torch.zeros(N, Hk, r, 0, Dv, dtype=dt, device=q.device)
+    final = rearrange(S, "n h r k v -> n (h r) k v") if output_final_state else None
+    return _finish(o, layout, B, T, out_dtype), final
+
+
+def causal_conv1d(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
+    """Depthwise causal conv over T per sequence, ``y_t = act(bias + sum_w weight[:, w] * x_{t-W+1+w})``.
+
+    Each sequence of a pack sees only its own tokens, preceded by its row of ``initial_state``
+    (zeros when None). Computed in fp32 (float64 for float64 x); y in x's dtype, the final state
+    (the last W-1 inputs of each sequence, oldest first) in the compute dtype.
+    """
+    B, T, C = x.shape
+    W = weight.shape[1]
+    dt = compute_dtype(x, weight)
+    layout = VarlenLayout.from_cu_seqlens(cu, B, T, x.device)
+    N, L = layout.n, layout.padded_len
+    xp = layout.pad(x.reshape(B * T, C).to(dt))                               # [N, L, C]
+    init = (torch.zeros(N, C, W - 1, dtype=dt, device=x.device) if initial_state is None
+            else initial_state.to(dt))
+    buf = torch.cat([init, xp.transpose(1, 2)], -1)                          # [N, C, W-1+L]
+    y = F.conv1d(buf, weight.to(dt)[:, None, :], None if bias is None else bias.to(dt), groups=C)
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    y = layout.unpad(y.transpose(1, 2)).reshape(B, T, C).to(x.dtype)
+    final = None
+    if output_final_state:
+        # the last W-1 entries of [init | x_n] sit at buffer positions len_n .. len_n + W - 2
+        pos = layout.lengths_t[:, None] + torch.arange(W - 1, device=x.device)[None, :]
+        final = torch.gather(buf, 2, pos[:, None, :].expand(N, C, W - 1))
+    return y, final
+
+
+def gated_rms_norm(x, z, weight, eps=1e-6):
+    """RMSNorm over the last dim, times ``silu(z)``, in the order of transformers' Qwen3NextRMSNormGated.
+
+    ``x, z: [..., Dv]``, ``weight: [Dv]``. Normalisation in fp32, weight applied in x's dtype,
+    gate in fp32, result in x's dtype.
+    """
+    in_dtype = x.dtype
+    h = x.to(torch.float32) if in_dtype != torch.float64 else x
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(in_dtype)
+    h = h * F.silu(z.to(h.dtype if in_dtype == torch.float64 else torch.float32))
+    return h.to(in_dtype)

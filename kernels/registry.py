@@ -1,0 +1,87 @@
+"""One registry of backends for the GatedDeltaNet math.
+
+A backend is a named set of ops (``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``,
+``causal_conv1d``, ``gated_rms_norm``) plus a check of whether it can run on a device. ``"auto"`` is
+resolved once per (device type) and the choice is logged once; an explicit name that cannot run on
+the device raises at bind time (``resolve_backend``), not deep inside a forward.
+
+Registered here: ``"torch"`` (the reference, any device). Accelerator backends register themselves
+with ``register_backend`` when their libraries import.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import reference
+
+log = logging.getLogger("gdn_layer.kernels")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A named implementation of the ops; ``available(device) -> (ok, reason)``."""
+    name: str
+    chunk_gated_delta_rule: Callable
+    recurrent_gated_delta_rule: Callable
+    causal_conv1d: Callable
+    gated_rms_norm: Callable
+    available: Callable[[torch.device], tuple[bool, str]]
+    priority: int = 0   # "auto" takes the available backend with the highest priority
+
+
+_BACKENDS: dict[str, Backend] = {}
+_AUTO_LOGGED: set[str] = set()
+
+
+def register_backend(backend: Backend) -> None:
+    """Add (or replace) a backend by name."""
+    _BACKENDS[backend.name] = backend
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Names of registered backends; with ``device``, only those that can run there."""
+    if device is None:
+        return sorted(_BACKENDS)
+    device = torch.device(device)
+    return sorted(n for n, b in _BACKENDS.items() if b.available(device)[0])
+
+
+def resolve_backend(name: str, device: torch.device | str) -> Backend:
+    """Bind a backend name (or ``"auto"``) to an implementation for ``device``.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: unknown name, or the named backend cannot run on ``device`` (the reason is given).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, got {type(name).__name__}")
+    device = torch.device(device)
+    if name == "auto":
+        ok = [b for b in _BACKENDS.values() if b.available(device)[0]]
+        best = max(ok, key=lambda b: b.priority)
+        if device.type not in _AUTO_LOGGED:
+            _AUTO_LOGGED.add(device.type)
+            log.info("backend='auto' on %s resolved to %r", device.type, best.name)
+        return best
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {name!r}")
+    b = _BACKENDS[name]
+    ok, why = b.available(device)
+    if not ok:
+        raise ValueError(f"backend {name!r} cannot run on {device}: {why}")
+    return b
+
+
+register_backend(Backend(
+    name="torch",
+    chunk_gated_delta_rule=reference.chunk_gated_delta_rule,
+    recurrent_gated_delta_rule=reference.recurrent_gated_delta_rule,
+    causal_conv1d=reference.causal_conv1d,
+    gated_rms_norm=reference.gated_rms_norm,
+    available=lambda device: (True, ""),
+    priority=0,
+))

@@ -1,0 +1,172 @@
+"""Input validation shared by every backend: one place for the rules in DESIGN.md "Errors".
+
+Shape, dtype and device checks always run. Checks that must read tensor values (``cu_seqlens``
+contents, ``g <= 0``, NaN inputs) need the values on the host: they always run for CPU tensors,
+and for accelerator tensors only when validation is switched on, because there they cost a
+device-to-host sync. The switch is ``GDN_LAYER_VALIDATE=1`` in the environment or
+``gdn_layer.kernels.set_validation(True)``. A caller that holds ``cu_seqlens`` on the host can pass
+that CPU tensor even for accelerator activations: then its values are checked with no sync.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_VALIDATE: bool | None = None
+
+
+def set_validation(enabled: bool | None) -> None:
+    """Switch value checks on accelerators on (True), off (False) or back to the env default (None)."""
+    global _VALIDATE
+    _VALIDATE = enabled
+
+
+def validation_enabled() -> bool:
+    """True when value checks run on accelerator tensors (``GDN_LAYER_VALIDATE=1`` or ``set_validation``)."""
+    if _VALIDATE is not None:
+        return _VALIDATE
+    return os.environ.get("GDN_LAYER_VALIDATE", "0") not in ("", "0", "false", "False")
+
+
+def values_checkable(t: torch.Tensor) -> bool:
+    """Whether value checks on ``t`` run now: always on CPU, on accelerators only when switched on."""
+    return t.device.type == "cpu" or validation_enabled()
+
+
+def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | None = None,
+                     name: str = "cu_seqlens") -> torch.Tensor:
+    """Validate packed-sequence boundaries and return them as int64 on ``device``.
+
+    Args:
+        cu_seqlens: 1-D integer tensor ``[N + 1]`` with ``cu[0] == 0``, non-decreasing, ``cu[-1] == total_len``.
+            Zero-length segments are legal. int32 and int64 give identical results (int32 is
+            converted, never reinterpreted).
+        total_len: the packed length T the boundaries must end at (None skips that check).
+        device: where the returned tensor lives (default: where ``cu_seqlens`` lives).
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: not 1-D, fewer than 2 entries, not an integer dtype, or (values checked) not
+            starting at 0, decreasing, or not ending at ``total_len``.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32/int64, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [N + 1], got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"{name} must hold at least 2 entries (one sequence), got {cu_seqlens.numel()}")
+    if values_checkable(cu_seqlens):
+        host = cu_seqlens.detach().cpu()
+        if int(host[0]) != 0:
+            raise ValueError(f"{name} must start at 0, got {name}[0] = {int(host[0])}")
+        steps = host[1:] - host[:-1]
+        if bool((steps < 0).any()):
+            i = int(torch.nonzero(steps < 0)[0])
+            raise ValueError(f"{name} must be non-decreasing, but {name}[{i + 1}] = {int(host[i + 1])} "
+                             f"< {name}[{i}] = {int(host[i])}")
+        if total_len is not None and int(host[-1]) != total_len:
+            raise ValueError(f"{name}[-1] must equal the packed length T = {total_len}, got {int(host[-1])}")
+    return cu_seqlens.to(device=device if device is not None else cu_seqlens.device, dtype=torch.int64)
+
+
+def check_no_nan(name: str, t: torch.Tensor | None) -> None:
+    """Raise ValueError if ``t`` holds NaN (only where values are checkable)."""
+    if t is not None and t.is_floating_point() and values_checkable(t) and bool(torch.isnan(t).any()):
+        raise ValueError(f"{name} contains NaN")
+
+
+def check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, int, torch.Tensor | None]:
+    """Validate the inputs of ``chunk_gated_delta_rule`` / ``recurrent_gated_delta_rule``.
+
+    Returns ``(N, r, cu)`` where N is the number of sequences (B, or len(cu_seqlens) - 1), r = Hv / Hk and
+    cu the int64 ``cu_seqlens`` (or None).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [B, T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape [B, T, Hk, Dk]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    B, T, Hk, Dk = k.shape
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, Hv, Dv] with B={B}, T={T} as in k; got {tuple(v.shape)}")
+    Hv = v.shape[2]
+    if Hk == 0 or Hv % Hk != 0:
+        raise ValueError(f"num_v_heads (v.shape[2] = {Hv}) must be a multiple of num_k_heads (k.shape[2] = {Hk})")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, Hv):
+            raise ValueError(f"{name} must be [B, T, Hv] = {(B, T, Hv)} (one value per value head), "
+                             f"got {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must be on one device")
+    cu = None
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
+        cu = check_cu_seqlens(cu_seqlens, T, device=q.device)
+        N = cu.numel() - 1
+    else:
+        N = B
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+        if tuple(initial_state.shape) != (N, Hv, Dk, v.shape[3]):
+            raise ValueError(f"initial_state must be [N, Hv, Dk, Dv] = {(N, Hv, Dk, v.shape[3])} "
+                             f"(N = number of sequences), got {tuple(initial_state.shape)}")
+        if initial_state.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"initial_state must be float32 (recurrent state is kept in fp32), "
+                            f"got {initial_state.dtype}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+    if values_checkable(g):
+        if bool((g > 0).any()):
+            raise ValueError("g is the log-space decay and must be <= 0 everywhere (g = -inf is a reset); "
+                             f"got max(g) = {float(g.max())}")
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+            check_no_nan(name, t)
+    return N, Hv // Hk, cu
+
+
+def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation) -> tuple[int, torch.Tensor | None]:
+    """Validate ``causal_conv1d`` inputs; returns ``(N, cu)``."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("x and weight must be torch.Tensors")
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, C], got shape {tuple(x.shape)}")
+    B, T, C = x.shape
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        raise ValueError(f"weight must be [C, W]; squeeze nn.Conv1d's [C, 1, W] weight first (got {tuple(weight.shape)})")
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight must be [C, W] with C = x.shape[-1] = {C}, got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (C,):
+        raise ValueError(f"bias must be [C] = [{C}], got {tuple(bias.shape)}")
+    if activation not in (None, "silu", "swish", "identity"):
+        raise ValueError(f"activation must be 'silu', 'swish', 'identity' or None, got {activation!r}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+    cu = None
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
+        cu = check_cu_seqlens(cu_seqlens, T, device=x.device)
+        N = cu.numel() - 1
+    else:
+        N = B
+    W = weight.shape[1]
+    if initial_state is not None:
+        if tuple(initial_state.shape) != (N, C, W - 1):
+            raise ValueError(f"initial_state (conv state) must be [N, C, W-1] = {(N, C, W - 1)}, "
+                             f"got {tuple(initial_state.shape)}")
+        if initial_state.device != x.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but x is on {x.device}")
+    return N, cu

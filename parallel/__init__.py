@@ -1,0 +1,1 @@
+"""Ulysses context parallelism for packed batches."""
