@@ -169,7 +169,10 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu=None, initial_stat
     init = (torch.zeros(N, C, W - 1, dtype=dt, device=x.device) if initial_state is None
             else initial_state.to(dt))
     buf = torch.cat([init, xp.transpose(1, 2)], -1)                          # [N, C, W-1+L]
-    y = F.conv1d(buf, weight.to(dt)[:, None, :], None if bias is None else bias.to(dt), groups=C)
+    if L == 0:  # nothing to convolve (conv1d rejects inputs shorter than the kernel)
+        y = buf[..., :0]
+    else:
+        y = F.conv1d(buf, weight.to(dt)[:, None, :], None if bias is None else bias.to(dt), groups=C)
     if activation in ("silu", "swish"):
         y = F.silu(y)
     y = layout.unpad(y.transpose(1, 2)).reshape(B, T, C).to(x.dtype)
