@@ -1,2 +1,10 @@
-"""gdn-layer: a drop-in GatedDeltaNet block for long-context training."""
+"""gdn-layer: a drop-in GatedDeltaNet block for long-context training.
+
+``from gdn_layer import GatedDeltaNet, GDNState``; kernels in ``gdn_layer.kernels``, Ulysses in
+``gdn_layer.parallel``, the transformers adapter in ``gdn_layer.hf``.
+"""
+from gdn_layer.layer import GatedDeltaNet
+from gdn_layer.state import GDNState
+
 __version__ = "0.1.0"
+__all__ = ["GatedDeltaNet", "GDNState"]

@@ -1,0 +1,321 @@
+"""The GatedDeltaNet block: a drop-in token mixer for Qwen3-Next / Qwen3.5-style hybrid models."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gdn_layer import kernels
+from gdn_layer.kernels import causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from gdn_layer.kernels.validation import values_checkable
+from gdn_layer.norm import GatedRMSNorm
+from gdn_layer.parallel import (agree_across_ranks, digest_of, head_to_seq, partition_heads, resolve_sp_group,
+                                seq_to_head)
+from gdn_layer.parallel.gather_heads import gather_heads
+from gdn_layer.state import GDNState, check_state
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated delta rule token mixer (Qwen3-Next / Qwen3.5 ``linear_attention`` block).
+
+    For hidden states ``x [B, T, hidden]``::
+
+        q, k [B,T,Hk,Dk], v, z [B,T,Hv,Dv], a, b [B,T,Hv]  = projections of x
+        q, k, v = silu(causal depthwise conv over T of [q | k | v])       (kernel W, restarts per sequence)
+        g = -exp(A_log) * softplus(a + dt_bias)   (fp32, <= 0)            beta = sigmoid(b)
+        o = gated delta rule(l2norm(q) * Dk**-0.5, l2norm(k), v, g, beta)  value head j reads q/k head j // (Hv/Hk)
+        y = out_proj(rmsnorm(o) * norm.weight * silu(z))                  [B, T, hidden]
+
+    Math: Yang et al., "Gated Delta Networks" (ICLR 2025); block layout and parameter names as in
+    transformers' ``Qwen3NextGatedDeltaNet`` (``projection_layout="fused"``) and
+    ``Qwen3_5GatedDeltaNet`` (``"split"``), so their ``state_dict`` loads unchanged.
+
+    Args:
+        hidden_size: model width.
+        num_k_heads, num_v_heads: Hk q/k heads and Hv value heads, ``Hv % Hk == 0``.
+        head_k_dim, head_v_dim: Dk, Dv.
+        conv_kernel_size: W of the causal conv (default 4).
+        norm_eps: epsilon of the gated RMSNorm.
+        projection_layout: ``"split"`` (``in_proj_qkv, in_proj_z, in_proj_b, in_proj_a``) or ``"fused"``
+            (``in_proj_qkvz, in_proj_ba`` in transformers' per-k-head grouped order).
+        sp_group: Ulysses sequence-parallel group (ProcessGroup or 1-D DeviceMesh) or None. Under SP each
+            rank passes its contiguous ``T/P`` slice of the packed sequence; see docs/ulysses.md.
+        backend: kernel backend name or ``"auto"`` (``gdn_layer.kernels.available_backends()``).
+        device, dtype: for the parameters.
+
+    Raises:
+        TypeError / ValueError: bad sizes, ``Hv % Hk != 0``, an unknown ``projection_layout`` or backend,
+            or head counts that the SP size cannot partition (names num_k_heads, num_v_heads, SP size).
+    """
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel_size: int = 4, norm_eps: float = 1e-6, projection_layout: str = "split",
+                 sp_group=None, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads),
+                            ("num_v_heads", num_v_heads), ("head_k_dim", head_k_dim),
+                            ("head_v_dim", head_v_dim), ("conv_kernel_size", conv_kernel_size)):
+            _positive_int(name, value)
+        if num_v_heads % num_k_heads != 0:
+            raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+        if projection_layout not in ("split", "fused"):
+            raise ValueError(f"projection_layout must be 'split' or 'fused', got {projection_layout!r}")
+        self.hidden_size, self.num_k_heads, self.num_v_heads = hidden_size, num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size, self.projection_layout = conv_kernel_size, projection_layout
+
+        self.sp_group, self.sp_size, self.sp_rank = resolve_sp_group(sp_group)
+        self.heads = partition_heads(num_k_heads, num_v_heads, self.sp_size)
+        self.backend = backend
+
+        kw = {"device": device, "dtype": dtype}
+        if projection_layout == "split":
+            self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False, **kw)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False, **kw)
+            self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False, **kw)
+            self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False, **kw)
+        else:
+            self.in_proj_qkvz = nn.Linear(hidden_size, self.conv_dim + self.value_dim, bias=False, **kw)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False, **kw)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim,
+                                padding=conv_kernel_size - 1, bias=False, **kw)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads, **kw))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads, **kw))
+        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, **kw)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
+        self._build_head_index()
+        self.reset_parameters()
+
+    @classmethod
+    def from_hf(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto") -> "GatedDeltaNet":
+        """Build from a transformers Qwen3-Next / Qwen3.5 GatedDeltaNet block, copying its weights."""
+        from gdn_layer.hf import from_hf  # transformers is optional
+        return from_hf(hf_module, sp_group=sp_group, backend=backend)
+
+    # ----------------------------------------------------------------------------------------------
+    # construction helpers
+
+    @property
+    def backend(self) -> str:
+        """The requested kernel backend (``"auto"`` or a name); ``resolved_backend`` gives the bound one."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"backend must be a string, got {type(name).__name__}")
+        if name != "auto" and name not in kernels.available_backends():
+            raise ValueError(f"backend must be 'auto' or one of {kernels.available_backends()}, got {name!r}")
+        self._backend = name
+        if hasattr(self, "norm"):
+            self.norm.backend = name
+
+    @property
+    def resolved_backend(self) -> str:
+        """The backend the kernels run with on the parameters' device (raises if it cannot run there)."""
+        return kernels.resolve_backend(self._backend, self.A_log.device).name
+
+    def reset_parameters(self, initializer_range: float = 0.02) -> None:
+        """Initialise as transformers does for the same config: linear and conv weights ~ N(0, 0.02),
+        ``dt_bias = 1``, ``A_log = log(U(0.01, 16))``, norm weight 1."""
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Conv1d)):
+                    m.weight.normal_(0.0, initializer_range)
+            self.dt_bias.fill_(1.0)
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
+            self.norm.weight.fill_(1.0)
+
+    def _build_head_index(self) -> None:
+        """Per rank: which channels of ``[q_all | k_all | v_all | a | b]`` it owns after the all-to-all."""
+        Dk, Dv, Hv = self.head_k_dim, self.head_v_dim, self.num_v_heads
+        rows = []
+        for rank in range(self.sp_size):
+            kh = torch.tensor(list(self.heads.k_heads(rank)))
+            vh = torch.tensor(list(self.heads.v_heads(rank)))
+            qk_rows = (kh[:, None] * Dk + torch.arange(Dk)).reshape(-1)
+            v_rows = (vh[:, None] * Dv + torch.arange(Dv)).reshape(-1)
+            rows.append(torch.cat([qk_rows, self.key_dim + qk_rows, 2 * self.key_dim + v_rows,
+                                   self.conv_dim + vh, self.conv_dim + Hv + vh]))
+        # [P, C_local + 2 Hv_local]; not a parameter and not saved: derived from the sizes
+        self.register_buffer("_feature_index", torch.stack(rows), persistent=False)
+        self.local_conv_dim = 2 * self.heads.k_heads_per_rank * Dk + self.heads.v_heads_per_rank * Dv
+
+    # ----------------------------------------------------------------------------------------------
+    # forward: the dataflow, top to bottom
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                state: GDNState | None = None, output_state: bool = False):
+        """Mix tokens of ``hidden_states`` with the gated delta rule.
+
+        Args:
+            hidden_states: ``[B, T_local, hidden]``; without SP ``T_local == T``, under SP this rank's
+                contiguous ``T/P`` slice of the (packed) sequence.
+            cu_seqlens: ``[N + 1]`` int32/int64 GLOBAL boundaries of packed sequences (B == 1), the same on
+                every rank; conv and recurrence restart at each boundary. None: B independent sequences.
+            state: a ``GDNState`` to continue from (decode or chunked prefill): ``[N, ...]``, one row per
+                sequence; always the full state (all heads), also under SP.
+            output_state: also return the ``GDNState`` after the last token of each sequence.
+
+        Returns:
+            ``y [B, T_local, hidden]`` in the activation dtype, or ``(y, GDNState)`` if ``output_state``.
+
+        Raises:
+            TypeError / ValueError naming the argument, before any kernel launch or collective (under SP,
+            with value checks on, every rank raises together after one small all-reduce).
+        """
+        cu = self._check_inputs(hidden_states, cu_seqlens, state, output_state)
+        mixed, z = self._project(hidden_states)              # local tokens, all heads
+        mixed = seq_to_head(mixed, self._feature_index, self.sp_group) if self.sp_size > 1 else mixed
+        q, k, v, a, b, conv_state = self._conv(mixed, cu, state, output_state)  # full T, local heads
+        g, beta = self._gate(a, b)
+        o, recurrent_state = self._delta_rule(q, k, v, g, beta, cu, state, output_state)
+        o = head_to_seq(o.flatten(2), self.sp_group) if self.sp_size > 1 else o.flatten(2)
+        o = self.norm(o.unflatten(-1, (self.num_v_heads, self.head_v_dim)), z)
+        y = self.out_proj(o.flatten(2))
+        if not output_state:
+            return y
+        return y, self._full_state(conv_state, recurrent_state)
+
+    # ----------------------------------------------------------------------------------------------
+    # forward helpers
+
+    def _check_inputs(self, x, cu_seqlens, state, output_state):
+        """All argument checks; under SP with value checks on, one all-reduce so ranks fail together."""
+        error, cu, digest = None, None, None
+        try:
+            cu, digest = self._check_local(x, cu_seqlens, state, output_state)
+        except (TypeError, ValueError) as e:
+            error = e
+        if self.sp_size > 1 and isinstance(x, torch.Tensor) and values_checkable(x):
+            agree_across_ranks(self.sp_group, digest if digest is not None else digest_of(-1),
+                               error, "hidden_states shape, cu_seqlens and state presence")
+        if error is not None:
+            raise error
+        return cu
+
+    def _check_local(self, x, cu_seqlens, state, output_state):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"hidden_states must be [B, T, hidden], got shape {tuple(x.shape)}")
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states.shape[-1] must equal hidden_size = {self.hidden_size}, "
+                             f"got {x.shape[-1]}")
+        p = self.out_proj.weight
+        if x.dtype != p.dtype:
+            raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype})")
+        if x.device != p.device:
+            raise ValueError(f"hidden_states is on {x.device} but the layer's parameters are on {p.device}")
+        if not isinstance(output_state, bool):
+            raise TypeError(f"output_state must be a bool, got {type(output_state).__name__}")
+        B, T_local = x.shape[:2]
+        T = T_local * self.sp_size
+        cu = None
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
+            if (self.sp_size > 1 and isinstance(cu_seqlens, torch.Tensor) and values_checkable(cu_seqlens)
+                    and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 0 and int(cu_seqlens[-1]) != T):
+                total = int(cu_seqlens[-1])
+                hint = (f"the global T = {total} is not divisible by the SP size {self.sp_size}: pad it with "
+                        f"gdn_layer.parallel.pad_for_sp" if total % self.sp_size else
+                        f"each rank must pass its T/P = {total // self.sp_size} token slice "
+                        f"(gdn_layer.parallel.shard_sequence)")
+                raise ValueError(f"cu_seqlens[-1] = {total} must equal the global T = SP size x "
+                                 f"hidden_states.shape[1] = {T}; {hint}")
+            cu = check_cu_seqlens(cu_seqlens, T, device=x.device)
+        n = B if cu is None else cu.numel() - 1
+        if state is not None:
+            check_state(state, n, self.conv_dim, self.conv_kernel_size, self.num_v_heads,
+                        self.head_k_dim, self.head_v_dim, x.device)
+        digest = digest_of(B, T_local, x.shape[-1], n, int(state is not None), int(output_state),
+                           *([] if cu is None else [cu.cpu()]))
+        return cu, digest
+
+    def _project(self, x):
+        """``x [B, T, hidden]`` -> ``mixed [B, T, conv_dim + 2 Hv]`` as ``[q_all | k_all | v_all | a | b]``
+        (pre-conv) and ``z [B, T, Hv, Dv]``."""
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if self.projection_layout == "split":
+            qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+        else:
+            # transformers' fused order: per k head [q (Dk) | k (Dk) | v (r Dv) | z (r Dv)], [b (r) | a (r)]
+            r = Hv // Hk
+            qkvz = self.in_proj_qkvz(x).unflatten(-1, (Hk, 2 * Dk + 2 * r * Dv))
+            q, k, v, z = qkvz.split([Dk, Dk, r * Dv, r * Dv], dim=-1)
+            b, a = self.in_proj_ba(x).unflatten(-1, (Hk, 2 * r)).split([r, r], dim=-1)
+            qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
+            b, a = b.flatten(2), a.flatten(2)
+        return torch.cat([qkv, a, b], -1), z.reshape(*x.shape[:2], Hv, Dv)
+
+    def _local_state(self, state: GDNState | None):
+        """This rank's rows of a full state: conv channels of its heads, its value heads."""
+        if state is None:
+            return None, None
+        if self.sp_size == 1:
+            return state.conv_state, state.recurrent_state
+        rows = self._feature_index[self.sp_rank, :self.local_conv_dim]
+        vh = self.heads.v_heads(self.sp_rank)
+        return state.conv_state.index_select(1, rows), state.recurrent_state[:, vh.start:vh.stop]
+
+    def _conv(self, mixed, cu, state, output_state):
+        """Causal conv + SiLU over the full T on this rank's channels; split into q, k, v, a, b."""
+        C = self.local_conv_dim
+        Dk, Dv = self.head_k_dim, self.head_v_dim
+        hk, hv = self.heads.k_heads_per_rank, self.heads.v_heads_per_rank
+        weight = self.conv1d.weight[:, 0, :]
+        if self.sp_size > 1:
+            weight = weight.index_select(0, self._feature_index[self.sp_rank, :C])
+        conv_init, _ = self._local_state(state)
+        qkv, conv_state = causal_conv1d(mixed[..., :C], weight, None, activation="silu", cu_seqlens=cu,
+                                        initial_state=conv_init, output_final_state=output_state,
+                                        backend=self._backend)
+        q, k, v = qkv.split([hk * Dk, hk * Dk, hv * Dv], -1)
+        a, b = mixed[..., C:].split([hv, hv], -1)
+        return (q.unflatten(-1, (hk, Dk)), k.unflatten(-1, (hk, Dk)), v.unflatten(-1, (hv, Dv)),
+                a, b, conv_state)
+
+    def _gate(self, a, b):
+        """``g = -exp(A_log) softplus(a + dt_bias)`` in fp32 and ``beta = sigmoid(b)``, this rank's heads."""
+        vh = self.heads.v_heads(self.sp_rank)
+        A_log, dt_bias = self.A_log[vh.start:vh.stop], self.dt_bias[vh.start:vh.stop]
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+        return g, b.sigmoid()
+
+    def _delta_rule(self, q, k, v, g, beta, cu, state, output_state):
+        """Recurrent kernel when every sequence has at most one token (decode), chunk kernel otherwise."""
+        _, init = self._local_state(state)
+        n = q.shape[0] if cu is None else cu.numel() - 1
+        decode = q.shape[0] * q.shape[1] <= n
+        kernel = recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
+        return kernel(q, k, v, g, beta, initial_state=init, output_final_state=output_state,
+                      cu_seqlens=cu, use_qk_l2norm=True, backend=self._backend)
+
+    def _full_state(self, conv_state, recurrent_state) -> GDNState:
+        """Under SP, gather every rank's heads into the full state (transformers' channel order)."""
+        if self.sp_size > 1:
+            idx = self._feature_index[:, :self.local_conv_dim]
+            conv_state = gather_heads(conv_state, list(idx), self.conv_dim, 1, self.sp_group)
+            vidx = [torch.arange(r.start, r.stop) for r in map(self.heads.v_heads, range(self.sp_size))]
+            recurrent_state = gather_heads(recurrent_state, vidx, self.num_v_heads, 1, self.sp_group)
+        return GDNState(conv_state.float() if conv_state.dtype != torch.float64 else conv_state,
+                        recurrent_state)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_k_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}, "
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, layout={self.projection_layout!r}, "
+                f"sp_size={self.sp_size}, backend={self._backend!r}")

@@ -1,0 +1,49 @@
+"""The recurrent cache of a GatedDeltaNet layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GDNState:
+    """State of a GatedDeltaNet layer after a sequence (or a pack of N sequences).
+
+    Attributes:
+        conv_state: ``[N, conv_dim, W - 1]`` float32: the last W-1 pre-conv inputs of each sequence,
+            channels in ``[q_all | k_all | v_all]`` order (``conv_dim = 2*Hk*Dk + Hv*Dv``), oldest first.
+        recurrent_state: ``[N, Hv, Dk, Dv]`` float32: the delta-rule state ``S`` of each sequence.
+
+    Both are always the FULL state (all heads), also under sequence parallelism.
+    """
+    conv_state: torch.Tensor
+    recurrent_state: torch.Tensor
+
+    @property
+    def num_sequences(self) -> int:
+        return self.recurrent_state.shape[0]
+
+    def detach(self) -> "GDNState":
+        """A copy cut from the autograd graph (for carrying a cache across training steps)."""
+        return GDNState(self.conv_state.detach(), self.recurrent_state.detach())
+
+
+def check_state(state, num_sequences: int, conv_dim: int, kernel_size: int, num_v_heads: int,
+                head_k_dim: int, head_v_dim: int, device: torch.device) -> None:
+    """Raise TypeError / ValueError naming ``state`` unless it fits the layer and the batch."""
+    if not isinstance(state, GDNState):
+        raise TypeError(f"state must be a GDNState, got {type(state).__name__}")
+    want_conv = (num_sequences, conv_dim, kernel_size - 1)
+    want_rec = (num_sequences, num_v_heads, head_k_dim, head_v_dim)
+    if tuple(state.conv_state.shape) != want_conv:
+        raise ValueError(f"state.conv_state must be [N, conv_dim, W-1] = {want_conv} "
+                         f"(N = number of sequences in this batch), got {tuple(state.conv_state.shape)}")
+    if tuple(state.recurrent_state.shape) != want_rec:
+        raise ValueError(f"state.recurrent_state must be [N, Hv, Dk, Dv] = {want_rec} "
+                         f"(N = number of sequences in this batch), got {tuple(state.recurrent_state.shape)}")
+    for name, t in (("conv_state", state.conv_state), ("recurrent_state", state.recurrent_state)):
+        if t.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"state.{name} must be float32, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"state.{name} is on {t.device} but hidden_states is on {device}")
