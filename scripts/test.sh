@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sets everything up (scripts/setup.sh), then runs the whole test suite:
+#   1. every test in one process (multi-rank tests spawn their own gloo process groups), and
+#   2. the MPI-marked tests under `mpirun -n 2 ... pytest --with-mpi`.
+# Exits non-zero if anything fails or if pytest collects no test (exit 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+.venv/bin/python -m pytest -q tests
+mpirun -n 2 --oversubscribe .venv/bin/python -m pytest -q --with-mpi -m mpi tests
