@@ -111,17 +111,20 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     lower = beta[..., :, None] * kk * decay * strict                          # L_ij, i > j
     eye = torch.eye(C, dtype=dt, device=q.device)
     A = eye + lower
-    u = torch.linalg.solve_triangular(A, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(A, k * (beta * gamma)[..., None], upper=False, unitriangular=True)
+    rhs = torch.cat([v * beta[..., None], (k * (beta * gamma)[..., None]).expand(-1, -1, r, -1, -1, -1)], -1)
+    u, w = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([Dv, Dk], -1)
     attn = qk * decay                                                         # includes the diagonal
     q_dec = q * gamma[..., None]
-    k_dec = k * to_end[..., None]
+    k_dec_t = (k * to_end[..., None]).transpose(-1, -2)
 
+    # unbind once: indexing chunk c in the loop would make autograd add a full-size zero
+    # gradient per chunk (quadratic in the number of chunks)
+    per_chunk = zip(*(x.unbind(3) for x in (u, w, q_dec, attn, k_dec_t, gamma_end[..., None, None])))
     outs = []
-    for c in range(nc):
-        delta = u[:, :, :, c] - w[:, :, :, c] @ S                              # [n h r t Dv]
-        outs.append(q_dec[:, :, :, c] @ S + attn[:, :, :, c] @ delta)
-        S = gamma_end[:, :, :, c, None, None] * S + k_dec[:, :, :, c].transpose(-1, -2) @ delta
+    for u_c, w_c, q_c, attn_c, kt_c, decay_c in per_chunk:
+        delta = u_c - w_c @ S                                                 # [n h r t Dv]
+        outs.append(q_c @ S + attn_c @ delta)
+        S = decay_c * S + kt_c @ delta
     o = torch.stack(outs, 3).reshape(N, Hk, r, L, Dv)
     final = rearrange(S, "n h r k v -> n (h r) k v") if output_final_state else None
     return _finish(o, layout, B, T, out_dtype), final
