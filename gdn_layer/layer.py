@@ -11,9 +11,8 @@ from gdn_layer import kernels
 from gdn_layer.kernels import causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from gdn_layer.kernels.validation import values_checkable
 from gdn_layer.norm import GatedRMSNorm
-from gdn_layer.parallel import (agree_across_ranks, digest_of, head_to_seq, partition_heads, resolve_sp_group,
-                                seq_to_head)
-from gdn_layer.parallel.gather_heads import gather_heads
+from gdn_layer.parallel import (agree_across_ranks, digest_of, gather_heads, head_to_seq, partition_heads,
+                                resolve_sp_group, seq_to_head)
 from gdn_layer.state import GDNState, check_state
 
 
@@ -194,14 +193,16 @@ class GatedDeltaNet(nn.Module):
 
     def _check_inputs(self, x, cu_seqlens, state, output_state):
         """All argument checks; under SP with value checks on, one all-reduce so ranks fail together."""
-        error, cu, digest = None, None, None
+        error, cu = None, None
         try:
-            cu, digest = self._check_local(x, cu_seqlens, state, output_state)
+            cu = self._check_local(x, cu_seqlens, state, output_state)
         except (TypeError, ValueError) as e:
             error = e
         if self.sp_size > 1 and isinstance(x, torch.Tensor) and values_checkable(x):
-            agree_across_ranks(self.sp_group, digest if digest is not None else digest_of(-1),
-                               error, "hidden_states shape, cu_seqlens and state presence")
+            # the digest reads cu_seqlens on the host: only when value checks are on
+            digest = digest_of(-1) if error is not None else digest_of(
+                *x.shape, int(state is not None), int(output_state), *([] if cu is None else [cu.cpu()]))
+            agree_across_ranks(self.sp_group, digest, error, "hidden_states shape, cu_seqlens and state presence")
         if error is not None:
             raise error
         return cu
@@ -241,9 +242,7 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             check_state(state, n, self.conv_dim, self.conv_kernel_size, self.num_v_heads,
                         self.head_k_dim, self.head_v_dim, x.device)
-        digest = digest_of(B, T_local, x.shape[-1], n, int(state is not None), int(output_state),
-                           *([] if cu is None else [cu.cpu()]))
-        return cu, digest
+        return cu
 
     def _project(self, x):
         """``x [B, T, hidden]`` -> ``mixed [B, T, conv_dim + 2 Hv]`` as ``[q_all | k_all | v_all | a | b]``

@@ -1,1 +1,23 @@
-"""Ulysses context parallelism for packed batches."""
+"""Ulysses context parallelism for packed batches: ``gdn_layer.parallel``.
+
+Knows nothing of GatedDeltaNet: the all-to-all pair (sequence-sharded <-> head-sharded, autograd), the
+head partition for (Hk, Hv, P), padding/sharding/gathering along the sequence, SP gradient reduction,
+and the cross-rank agreement check that lets every rank raise together. See docs/ulysses.md.
+"""
+from .agree import DIGEST_LEN, agree_across_ranks, digest_of
+from .all_to_all import head_to_seq, seq_to_head
+from .gather_heads import gather_heads
+from .grads import reduce_sp_grads
+from .groups import resolve_sp_group
+from .heads import HeadPartition, partition_heads
+from .packing import gather_sequence, pad_for_sp, shard_sequence
+
+__all__ = [
+    "resolve_sp_group",
+    "HeadPartition", "partition_heads",
+    "seq_to_head", "head_to_seq",
+    "pad_for_sp", "shard_sequence", "gather_sequence",
+    "reduce_sp_grads",
+    "gather_heads",
+    "agree_across_ranks", "digest_of", "DIGEST_LEN",
+]

