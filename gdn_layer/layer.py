@@ -1,7 +1,7 @@
 """The GatedDeltaNet block: a drop-in token mixer for Qwen3-Next / Qwen3.5-style hybrid models."""
 from __future__ import annotations
 
-import math
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -9,11 +9,14 @@ from torch import nn
 
 from gdn_layer import kernels
 from gdn_layer.kernels import causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, recurrent_gated_delta_rule
-from gdn_layer.kernels.validation import values_checkable
+from gdn_layer.kernels.validation import check_no_nan, skip_value_checks, values_checkable
 from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import (agree_across_ranks, digest_of, gather_heads, head_to_seq, partition_heads,
                                 resolve_sp_group, seq_to_head)
 from gdn_layer.state import GDNState, check_state
+
+
+_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 def _positive_int(name: str, value) -> int:
@@ -67,6 +70,12 @@ class GatedDeltaNet(nn.Module):
             _positive_int(name, value)
         if num_v_heads % num_k_heads != 0:
             raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
+            raise TypeError(f"norm_eps must be a float, got {type(norm_eps).__name__}")
+        if not norm_eps > 0:
+            raise ValueError(f"norm_eps must be positive, got {norm_eps}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         if projection_layout not in ("split", "fused"):
             raise ValueError(f"projection_layout must be 'split' or 'fused', got {projection_layout!r}")
         self.hidden_size, self.num_k_heads, self.num_v_heads = hidden_size, num_k_heads, num_v_heads
@@ -178,9 +187,10 @@ class GatedDeltaNet(nn.Module):
         cu = self._check_inputs(hidden_states, cu_seqlens, state, output_state)
         mixed, z = self._project(hidden_states)              # local tokens, all heads
         mixed = seq_to_head(mixed, self._feature_index, self.sp_group) if self.sp_size > 1 else mixed
-        q, k, v, a, b, conv_state = self._conv(mixed, cu, state, output_state)  # full T, local heads
-        g, beta = self._gate(a, b)
-        o, recurrent_state = self._delta_rule(q, k, v, g, beta, cu, state, output_state)
+        with self._checked_already():
+            q, k, v, a, b, conv_state = self._conv(mixed, cu, state, output_state)  # full T, local heads
+            g, beta = self._gate(a, b)
+            o, recurrent_state = self._delta_rule(q, k, v, g, beta, cu, state, output_state)
         o = head_to_seq(o.flatten(2), self.sp_group) if self.sp_size > 1 else o.flatten(2)
         o = self.norm(o.unflatten(-1, (self.num_v_heads, self.head_v_dim)), z)
         y = self.out_proj(o.flatten(2))
@@ -198,10 +208,13 @@ class GatedDeltaNet(nn.Module):
             cu = self._check_local(x, cu_seqlens, state, output_state)
         except (TypeError, ValueError) as e:
             error = e
-        if self.sp_size > 1 and isinstance(x, torch.Tensor) and values_checkable(x):
+        # Whether ranks compare notes must not depend on this rank's input (a bad input on one rank
+        # would skip the collective the others wait in): decide by the parameters' device.
+        if self.sp_size > 1 and values_checkable(self.A_log):
             # the digest reads cu_seqlens on the host: only when value checks are on
             digest = digest_of(-1) if error is not None else digest_of(
-                *x.shape, int(state is not None), int(output_state), *([] if cu is None else [cu.cpu()]))
+                *x.shape, _DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
+                *([] if cu is None else [cu.cpu()]))
             agree_across_ranks(self.sp_group, digest, error, "hidden_states shape, cu_seqlens and state presence")
         if error is not None:
             raise error
@@ -239,10 +252,19 @@ class GatedDeltaNet(nn.Module):
                                  f"hidden_states.shape[1] = {T}; {hint}")
             cu = check_cu_seqlens(cu_seqlens, T, device=x.device)
         n = B if cu is None else cu.numel() - 1
+        check_no_nan("hidden_states", x)
         if state is not None:
             check_state(state, n, self.conv_dim, self.conv_kernel_size, self.num_v_heads,
                         self.head_k_dim, self.head_v_dim, x.device)
+            check_no_nan("state.conv_state", state.conv_state)
+            check_no_nan("state.recurrent_state", state.recurrent_state)
         return cu
+
+    def _checked_already(self):
+        """Under SP the inputs were checked (and agreed on) before the all-to-all; value checks inside
+        the kernels would see only this rank's heads and could raise on one rank alone, leaving the
+        others waiting in the all-to-all back. A NaN that arises from the weights propagates instead."""
+        return skip_value_checks() if self.sp_size > 1 else contextlib.nullcontext()
 
     def _project(self, x):
         """``x [B, T, hidden]`` -> ``mixed [B, T, conv_dim + 2 Hv]`` as ``[q_all | k_all | v_all | a | b]``

@@ -34,6 +34,9 @@ def check_state(state, num_sequences: int, conv_dim: int, kernel_size: int, num_
     """Raise TypeError / ValueError naming ``state`` unless it fits the layer and the batch."""
     if not isinstance(state, GDNState):
         raise TypeError(f"state must be a GDNState, got {type(state).__name__}")
+    for name in ("conv_state", "recurrent_state"):
+        if not isinstance(getattr(state, name), torch.Tensor):
+            raise TypeError(f"state.{name} must be a torch.Tensor, got {type(getattr(state, name)).__name__}")
     want_conv = (num_sequences, conv_dim, kernel_size - 1)
     want_rec = (num_sequences, num_v_heads, head_k_dim, head_v_dim)
     if tuple(state.conv_state.shape) != want_conv:

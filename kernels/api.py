@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .registry import resolve_backend
-from .validation import check_conv_inputs, check_gated_delta_inputs
+from .validation import check_conv_inputs, check_flags, check_gated_delta_inputs, check_scale
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -32,6 +32,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     Math: Yang et al., "Gated Delta Networks" (ICLR 2025); chunked form as in fla's ``chunk_gated_delta_rule``.
     """
+    check_flags(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+    check_scale(scale)
     _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     impl = resolve_backend(backend, q.device)
     return impl.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -46,6 +48,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     Meant for decoding (one or a few tokens per sequence); the float64 torch version is the ground
     truth of the tests.
     """
+    check_flags(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+    check_scale(scale)
     _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     impl = resolve_backend(backend, q.device)
     return impl.recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -67,6 +71,7 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     Returns:
         ``(y, final_state)``: y ``[B, T, C]`` in x's dtype; final_state (fp32, or float64) or None.
     """
+    check_flags(output_final_state=output_final_state)
     _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
     impl = resolve_backend(backend, x.device)
     return impl.causal_conv1d(x, weight, bias=bias, activation=activation, cu=cu, initial_state=initial_state,
@@ -78,6 +83,11 @@ def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
 
     x, z: ``[..., Dv]`` same shape; weight ``[Dv]``. Returns x's dtype.
     """
+    for name, t in (("x", x), ("z", z), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if x.shape != z.shape:
         raise ValueError(f"x and z must have the same shape, got {tuple(x.shape)} and {tuple(z.shape)}")
     if weight.shape != x.shape[-1:]:

@@ -10,7 +10,8 @@ Delta Rule", ICLR 2025), per value head with state ``S [Dk, Dv]``::
 The chunked form follows the WY / UT-transform of fla's ``chunk_gated_delta_rule`` (chunk size 64):
 inside a chunk with cumulative decay ``G`` the corrections ``delta = (I + L)^{-1} (beta*v - beta*exp(G)*K S0)``
 solve a unit lower-triangular system, ``L_ij = beta_i (k_i . k_j) exp(G_i - G_j)`` for ``i > j``.
-A ``g = -inf`` (reset) is handled exactly: decay ratios across a reset are zero, never ``inf - inf``.
+Every decay is a sum of the g's it spans (no difference of cumulative sums), so a ``g = -inf`` (reset)
+gives exactly zero across it and small g's next to a huge one keep their precision.
 
 Inputs run in fp32 (float64 when q/k/v are float64); outputs come back in v's dtype, states in the
 compute dtype. Grouped heads: value head ``j`` reads q/k head ``j // r``; q/k are never repeated in
@@ -92,17 +93,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     q, k, v = (rearrange(x, "n h r (c t) d -> n h r c t d", t=C) for x in (q, k, v))
     g, beta = (rearrange(x, "n h r (c t) -> n h r c t", t=C) for x in (g, beta))
 
-    # Decay inside each chunk. A reset (g = -inf) is counted in R instead of summed into G, so every
-    # ratio exp(G_i - G_j) is finite and ratios across a reset are exactly zero.
-    reset = torch.isneginf(g)
-    G = torch.where(reset, torch.zeros_like(g), g).cumsum(-1)                 # [n h r c t]
-    R = reset.to(torch.int64).cumsum(-1)
+    # Decays inside each chunk, each a sum of only the g's it spans: never a difference of two
+    # cumulative sums, which in fp32 loses the small g's next to a large one and turns a reset
+    # (g = -inf) into inf - inf. segsum[i, j] = g_{j+1} + ... + g_i for i >= j (Mamba2's segsum).
     idx = torch.arange(C, device=q.device)
     causal = idx[:, None] >= idx[None, :]
-    same = (R[..., :, None] == R[..., None, :]) & causal                     # [n h r c t t]
-    decay = torch.exp(torch.where(same, G[..., :, None] - G[..., None, :], torch.full_like(G[..., :1, None], -float("inf"))))
-    gamma = torch.exp(G) * (R == 0)                                           # decay from chunk start
-    to_end = torch.exp(G[..., -1:] - G) * (R[..., -1:] == R)                  # decay from token to chunk end
+    spans = torch.where(idx[:, None] > idx[None, :], g[..., :, None], torch.zeros_like(g[..., :1, None]))
+    segsum = spans.cumsum(-2)                                                 # [n h r c t t]
+    decay = torch.exp(torch.where(causal, segsum, torch.full_like(segsum[..., :1, :1], -float("inf"))))
+    gamma = torch.exp(g.cumsum(-1))                                           # decay from chunk start, incl. token i
+    after = torch.cat([g.flip(-1).cumsum(-1).flip(-1)[..., 1:], torch.zeros_like(g[..., :1])], -1)
+    to_end = torch.exp(after)                                                 # decay from token j to chunk end
     gamma_end = gamma[..., -1]                                                # [n h r c]
 
     kk = k @ k.transpose(-1, -2)                                              # per k head: [n h 1 c t t]

@@ -10,10 +10,12 @@ that CPU tensor even for accelerator activations: then its values are checked wi
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
 _VALIDATE: bool | None = None
+_SKIP_DEPTH = 0
 
 
 def set_validation(enabled: bool | None) -> None:
@@ -29,8 +31,22 @@ def validation_enabled() -> bool:
     return os.environ.get("GDN_LAYER_VALIDATE", "0") not in ("", "0", "false", "False")
 
 
+@contextmanager
+def skip_value_checks():
+    """Inside this block kernels skip value checks: for a caller that checked its inputs already and
+    must not raise on one rank only (under SP, after the first collective)."""
+    global _SKIP_DEPTH
+    _SKIP_DEPTH += 1
+    try:
+        yield
+    finally:
+        _SKIP_DEPTH -= 1
+
+
 def values_checkable(t: torch.Tensor) -> bool:
     """Whether value checks on ``t`` run now: always on CPU, on accelerators only when switched on."""
+    if _SKIP_DEPTH:
+        return False
     return t.device.type == "cpu" or validation_enabled()
 
 
@@ -78,6 +94,18 @@ def check_no_nan(name: str, t: torch.Tensor | None) -> None:
         raise ValueError(f"{name} contains NaN")
 
 
+def check_flags(**flags) -> None:
+    """Each flag must be a real bool (``"no"`` is not False)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_scale(scale) -> None:
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+
 def check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, int, torch.Tensor | None]:
     """Validate the inputs of ``chunk_gated_delta_rule`` / ``recurrent_gated_delta_rule``.
 
@@ -95,6 +123,8 @@ def check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tup
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape [B, T, Hk, Dk]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     B, T, Hk, Dk = k.shape
+    if Dk == 0 or v.shape[3] == 0:
+        raise ValueError(f"head dims must be positive; got Dk = q.shape[3] = {Dk}, Dv = v.shape[3] = {v.shape[3]}")
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B, T, Hv, Dv] with B={B}, T={T} as in k; got {tuple(v.shape)}")
     Hv = v.shape[2]
@@ -139,21 +169,28 @@ def check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tup
 
 def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation) -> tuple[int, torch.Tensor | None]:
     """Validate ``causal_conv1d`` inputs; returns ``(N, cu)``."""
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError("x and weight must be torch.Tensors")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("initial_state", initial_state)):
+        if t is None and name in ("bias", "initial_state"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, C], got shape {tuple(x.shape)}")
     B, T, C = x.shape
     if weight.dim() == 3 and weight.shape[1] == 1:
         raise ValueError(f"weight must be [C, W]; squeeze nn.Conv1d's [C, 1, W] weight first (got {tuple(weight.shape)})")
-    if weight.dim() != 2 or weight.shape[0] != C:
-        raise ValueError(f"weight must be [C, W] with C = x.shape[-1] = {C}, got {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [C, W] with C = x.shape[-1] = {C} and W >= 1, got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (C,):
         raise ValueError(f"bias must be [C] = [{C}], got {tuple(bias.shape)}")
     if activation not in (None, "silu", "swish", "identity"):
         raise ValueError(f"activation must be 'silu', 'swish', 'identity' or None, got {activation!r}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    check_no_nan("x", x)
     cu = None
     if cu_seqlens is not None:
         if B != 1:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .agree import agree_across_ranks, digest_of
 from .groups import resolve_sp_group
 
 
@@ -30,14 +31,23 @@ def reduce_sp_grads(module: torch.nn.Module, sp_group) -> None:
     Gradients are coalesced into one flat buffer per (device, dtype): one all-reduce each.
 
     Raises:
-        TypeError: module not an nn.Module. ValueError: a sparse gradient (not supported).
+        TypeError: module not an nn.Module. ValueError: a sparse gradient (not supported), or (on every
+            rank) ranks that disagree on which parameters train or on their sizes.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     group, size, _ = resolve_sp_group(sp_group)
     if size == 1:
         return
-    params = [p for p in module.parameters() if p.requires_grad]
+    everything = list(module.parameters())
+    params = [p for p in everything if p.requires_grad]
+    # Gradients are matched by position in one flat buffer: ranks that disagree on which parameters
+    # train (or on their sizes) would sum unrelated numbers or abort in the collective. One small
+    # all-reduce first makes every rank raise instead.
+    trainable = torch.tensor([i for i, p in enumerate(everything) if p.requires_grad], dtype=torch.int64)
+    sizes = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+    agree_across_ranks(group, digest_of(len(everything), trainable, sizes), None,
+                       "the trainable parameters of the module (which ones, their sizes)")
     for p in params:
         if p.grad is not None and p.grad.is_sparse:
             raise ValueError("reduce_sp_grads does not support sparse gradients; got one of shape "

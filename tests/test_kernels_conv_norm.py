@@ -68,6 +68,10 @@ def test_conv_matches_nn_conv1d_and_gradcheck():
     (dict(initial_state=torch.randn(1, 6, 4)), ValueError, "initial_state"),
     (dict(activation="relu"), ValueError, "activation"),
     (dict(cu_seqlens=torch.tensor([0, 3, 2, 10])), ValueError, "cu_seqlens"),
+    (dict(x=torch.randint(0, 5, (1, 10, 6))), TypeError, "x must be a floating-point"),
+    (dict(bias=[0.0] * 6), TypeError, "bias must be a torch.Tensor"),
+    (dict(weight=torch.randn(6, 0)), ValueError, "W >= 1"),
+    (dict(output_final_state="no"), TypeError, "output_final_state must be a bool"),
 ])
 def test_conv_bad_inputs(kwargs, exc, match):
     args = dict(x=torch.randn(1, 10, 6), weight=torch.randn(6, 4))

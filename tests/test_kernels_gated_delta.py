@@ -210,6 +210,9 @@ def test_malformed_cu_seqlens_raise_value_error_naming_it(cu, match, kernel):
     (lambda x: x.update(v=x["v"].double()), TypeError, "one dtype"),
     (lambda x: x.update(q=x["q"][0]), ValueError, "4-D"),
     (lambda x: x.update(backend="nope"), ValueError, "backend"),
+    (lambda x: x.update(scale="a"), TypeError, "scale"),
+    (lambda x: x.update(use_qk_l2norm="no"), TypeError, "use_qk_l2norm must be a bool"),
+    (lambda x: x.update(q=x["q"][..., :0], k=x["k"][..., :0]), ValueError, "head dims must be positive"),
 ])
 def test_bad_inputs_raise_naming_the_argument(mutate, exc, match):
     q, k, v, g, beta = make_inputs(20)
@@ -241,3 +244,20 @@ def test_random_shapes_chunk_matches_literal_oracle(lens, hk, r, dk, dv, seed):
     if cu[-1]:
         assert rel_err(o, o_ref) <= 1e-5
     assert rel_err(s, s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("big", [1e4, 1e10, 3e38])
+def test_small_decays_next_to_a_huge_one_keep_fp32_precision(big):
+    # every 8th token decays by exp(-big), the others slowly: a difference of fp32 cumulative sums
+    # would lose the slow ones (and overflow to inf - inf at 3e38)
+    q, k, v, g, beta = make_inputs(128, g_scale=0.05)
+    g[:, ::8] = -big
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, beta)]
+    o, s = chunk_gated_delta_rule(xs[0], xs[1], xs[2], g, xs[3], output_final_state=True, use_qk_l2norm=True)
+    o_ref, s_ref = naive_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(s, s_ref) <= 1e-5
+    x64 = [x.detach().double().requires_grad_(True) for x in (q, k, v, beta)]
+    o64, _ = recurrent_gated_delta_rule(x64[0], x64[1], x64[2], g.double(), x64[3], use_qk_l2norm=True)
+    cot = torch.randn(o.shape, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((o * cot).sum(), xs), torch.autograd.grad((o64 * cot).sum(), x64)):
+        assert rel_err(a, b) <= 1e-5

@@ -218,6 +218,42 @@ def _disagree(rank, world):
     return out, out2
 
 
+def _one_rank_bad(rank, world, case):
+    """Inputs that are bad on one rank only, or differ between ranks: every rank must raise."""
+    layer = _layer(2, 4, group=dist.group.WORLD)
+    x = torch.randn(1, 16, HIDDEN)
+    kwargs = {}
+    if case == "not_a_tensor" and rank == 1:
+        x = x.numpy()
+    elif case == "dtype" and rank == 1:
+        layer.double()
+        x = x.double()
+    elif case == "nan_in_rank1_heads_of_state":
+        from gdn_layer import GDNState
+        rec = torch.randn(1, 4, 8, 4)
+        rec[0, 3] = float("nan")  # value head 3 lives on rank 1
+        kwargs["state"] = GDNState(torch.randn(1, layer.conv_dim, 3), rec)
+    elif case == "frozen_params_differ":
+        (layer.dt_bias if rank == 0 else layer.A_log).requires_grad_(False)
+        layer(shard_sequence(torch.randn(1, 32, HIDDEN), dist.group.WORLD)).sum().backward()
+        try:
+            reduce_sp_grads(layer, dist.group.WORLD)
+        except ValueError as e:
+            return type(e).__name__ + ": " + str(e)
+        return ""
+    try:
+        layer(x, **kwargs)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__ + ": " + str(e)
+    return ""
+
+
+@pytest.mark.parametrize("case", ["not_a_tensor", "dtype", "nan_in_rank1_heads_of_state", "frozen_params_differ"])
+def test_a_bad_input_on_one_rank_makes_every_rank_raise(pool2, case):
+    msgs = pool2.run(_one_rank_bad, case, timeout=60)
+    assert all(msgs), msgs
+
+
 def test_ranks_given_different_cu_seqlens_all_raise_instead_of_hanging(pool2):
     for rank, (msg, msg2) in enumerate(pool2.run(_disagree, timeout=60)):
         assert "differ" in msg or "cu_seqlens" in msg, msg
