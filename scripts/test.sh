@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 .venv/bin/python -m pytest -q tests
-mpirun -n 2 --oversubscribe .venv/bin/python -m pytest -q --with-mpi -m mpi tests
+mpirun -n 2 --oversubscribe .venv/bin/python -m pytest -q --color=no -p no:cacheprovider --with-mpi -m mpi tests
