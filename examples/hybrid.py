@@ -14,16 +14,13 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import torch.distributed.nn.functional as dist_fn
-
 from gdn_layer import GatedDeltaNet
-from gdn_layer.parallel import shard_sequence
+from gdn_layer.parallel import gather_sequence, shard_sequence
 
 from text_data import IGNORE
 
@@ -188,14 +185,9 @@ def gather_for_attention(x: torch.Tensor, sp_group) -> torch.Tensor:
 
     Each rank then attends over the full sequence but keeps (``shard_sequence``) and is scored on only its
     own slice of the output, so its loss depends on every rank's input slice: the gradient of a slice is
-    the sum over ranks. ``torch.distributed.nn.functional.all_gather`` does exactly that (reduce-scatter
-    in backward). ``gdn_layer.parallel.gather_sequence`` is not usable here: its backward keeps only the
-    local slice, which is right only when every rank computes the same loss from the gathered tensor.
+    the sum over ranks, which is ``gather_sequence(..., grad="sum")``.
     """
-    with warnings.catch_warnings():      # torch 2.13 deprecates it for a private API; it works on every torch
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_gather is deprecated")
-        parts = dist_fn.all_gather(x.contiguous(), group=sp_group)
-    return torch.cat(parts, dim=1)
+    return gather_sequence(x, sp_group, dim=1, grad="sum")
 
 
 def hybrid_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,

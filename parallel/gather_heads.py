@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed.nn.functional as dist_fn
 
 from .groups import resolve_sp_group
+from .packing import gather_sequence
 
 
 def gather_heads(x: torch.Tensor, index_per_rank: list[torch.Tensor], total: int, dim: int, group) -> torch.Tensor:
@@ -23,7 +23,8 @@ def gather_heads(x: torch.Tensor, index_per_rank: list[torch.Tensor], total: int
     group, size, _ = resolve_sp_group(group)
     if size == 1:
         return x
-    parts = dist_fn.all_gather(x.contiguous(), group=group)
+    # every rank may compute a different loss from the full tensor: gradients are summed over ranks
+    parts = gather_sequence(x[None], group, dim=0, grad="sum")
     shape = list(x.shape)
     shape[dim] = total
     full = x.new_zeros(shape)

@@ -92,6 +92,7 @@ def shard_sequence(x: torch.Tensor, sp_group, dim: int = 1) -> torch.Tensor:
             on every rank.
         sp_group: None, a ProcessGroup or a 1-D DeviceMesh.
         dim: the sequence dim.
+        grad: what backward does, ``"slice"`` (default) or ``"sum"``, see below.
 
     Returns:
         ``x.narrow(dim, rank * L, L)`` with ``L = x.shape[dim] / P`` (a view; x itself without a group).
@@ -124,11 +125,12 @@ def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """all_gather along ``dim``; backward keeps this rank's slice of the gradient (see gather_sequence)."""
+    """all_gather along ``dim``; backward keeps this rank's slice of the gradient, of this rank's own
+    gradient (``grad="slice"``) or of the sum over ranks (``grad="sum"``); see gather_sequence."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group, size: int, rank: int, dim: int) -> torch.Tensor:
-        ctx.dim, ctx.rank, ctx.L = dim, rank, x.shape[dim]
+    def forward(ctx, x: torch.Tensor, group, size: int, rank: int, dim: int, sum_grads: bool) -> torch.Tensor:
+        ctx.dim, ctx.rank, ctx.L, ctx.group, ctx.sum_grads = dim, rank, x.shape[dim], group, sum_grads
         # One flat contiguous buffer, rank-major: the flat form is accepted by gloo, NCCL and HCCL alike.
         out = x.new_empty(size * x.numel())
         _all_gather_flat(out, x.contiguous().view(-1), group)
@@ -138,37 +140,46 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.narrow(ctx.dim, ctx.rank * ctx.L, ctx.L), None, None, None, None
+        if ctx.sum_grads:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad.narrow(ctx.dim, ctx.rank * ctx.L, ctx.L), None, None, None, None, None
 
 
-def gather_sequence(x: torch.Tensor, sp_group, dim: int = 1) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, sp_group, dim: int = 1, grad: str = "slice") -> torch.Tensor:
     """All-gather the sequence shards of every rank along ``dim`` (inverse of ``shard_sequence``).
 
     Args:
         x: this rank's shard, e.g. ``[B, T_local, ...]``; same shape on every rank.
         sp_group: None, a ProcessGroup or a 1-D DeviceMesh.
         dim: the sequence dim.
+        grad: what backward does, ``"slice"`` (default) or ``"sum"``, see below.
 
     Returns:
         ``[..., P * x.shape[dim], ...]``: shards concatenated in rank order (x itself without a group).
 
-    Backward: keeps this rank's slice of the incoming gradient, with no collective. This assumes the
-    loss computed from the gathered tensor is the SAME on every rank (every rank holds the same full
-    tensor and computes the same loss): then rank i's slice is exactly dLoss/d(shard i), and after
-    ``reduce_sp_grads`` (a sum over ranks) parameter gradients equal the single-process ones. If
-    each rank instead computes a different loss on the gathered tensor, gradients from the other ranks'
-    losses into this shard are dropped.
+    Backward, ``grad="slice"``: keeps this rank's slice of the incoming gradient, with no collective.
+    Right when the loss computed from the gathered tensor is the SAME on every rank (every rank holds
+    the same full tensor and computes the same loss): then rank i's slice is exactly dLoss/d(shard i),
+    and after ``reduce_sp_grads`` (a sum over ranks) parameter gradients equal the single-process ones.
+
+    Backward, ``grad="sum"``: all-reduces the incoming gradient over the group, then keeps this rank's
+    slice. Right when each rank computes a DIFFERENT part of the loss from the gathered tensor, e.g. a
+    softmax-attention layer in an SP model: every rank attends over the full sequence but keeps (and
+    is scored on) only its own slice of the output, so every rank's loss depends on every shard.
 
     Raises:
-        TypeError: x not a tensor. ValueError: bad ``dim``.
+        TypeError: x not a tensor. ValueError: bad ``dim`` or ``grad``.
     """
     group, size, rank = resolve_sp_group(sp_group)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if grad not in ("slice", "sum"):
+        raise ValueError(f"grad must be 'slice' or 'sum', got {grad!r}")
     dim = _check_dim(x, dim)
     if size == 1:
         return x
-    return _GatherSequence.apply(x, group, size, rank, dim)
+    return _GatherSequence.apply(x, group, size, rank, dim, grad == "sum")
 
 
 __all__ = ["pad_for_sp", "shard_sequence", "gather_sequence"]

@@ -322,6 +322,13 @@ def _check_pad_shard_gather_round_trip_and_grads(rank, P):
     w = _rand(40, *padded.shape)                                      # same on every rank
     (gather_sequence(lg, group) * w).sum().backward()
     torch.testing.assert_close(lg.grad, w[:, rank * L:(rank + 1) * L], rtol=0, atol=0)
+    # grad="sum": each rank's loss differs (weights w_r); the shard's grad is the sum over ranks
+    ls = local.detach().clone().requires_grad_()
+    (gather_sequence(ls, group, grad="sum") * _rand(50 + rank, *padded.shape)).sum().backward()
+    total = sum(_rand(50 + r, *padded.shape) for r in range(P))
+    torch.testing.assert_close(ls.grad, total[:, rank * L:(rank + 1) * L], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="grad must be"):
+        gather_sequence(local, group, grad="mean")
 
 
 class _Tiny(nn.Module):
