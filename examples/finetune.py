@@ -288,6 +288,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.resume:
         state = restore(ckpt_path if args.resume == "auto" else args.resume, args, model, optimizer, sched,
                         saved_keys, ctx.device)
+        if lead:
+            print(f"resumed from step {state['step']}" + (f"; already at --steps {args.steps}: pass a larger "
+                  "--steps to train on" if state["step"] >= args.steps else ""), flush=True)
     if 0 not in state["evals"]:
         state["evals"][0] = evaluate(model, held, ctx)
     if lead:

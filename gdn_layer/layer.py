@@ -214,11 +214,20 @@ class GatedDeltaNet(nn.Module):
             # the digest reads cu_seqlens on the host: only when value checks are on
             digest = digest_of(-1) if error is not None else digest_of(
                 *x.shape, _DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
-                *([] if cu is None else [cu.cpu()]))
-            agree_across_ranks(self.sp_group, digest, error, "hidden_states shape, cu_seqlens and state presence")
+                *([] if cu is None else [cu.cpu()]), self._weights_fingerprint())
+            agree_across_ranks(self.sp_group, digest, error,
+                               "hidden_states shape/dtype, cu_seqlens, state presence and the layer's weights")
         if error is not None:
             raise error
         return cu
+
+    def _weights_fingerprint(self) -> torch.Tensor:
+        """The bits of each parameter's float64 sum: equal on every rank iff (almost surely) the weights
+        are. Catches ranks initialised differently, or an optimizer step after a missing
+        ``reduce_sp_grads``, which would otherwise give silently wrong results."""
+        with torch.no_grad():
+            sums = torch.stack([p.detach().double().sum() for p in self.parameters()])
+        return sums.cpu().view(torch.int64)
 
     def _check_local(self, x, cu_seqlens, state, output_state):
         if not isinstance(x, torch.Tensor):

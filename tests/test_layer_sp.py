@@ -233,6 +233,9 @@ def _one_rank_bad(rank, world, case):
         rec = torch.randn(1, 4, 8, 4)
         rec[0, 3] = float("nan")  # value head 3 lives on rank 1
         kwargs["state"] = GDNState(torch.randn(1, layer.conv_dim, 3), rec)
+    elif case == "weights_differ" and rank == 1:  # e.g. an optimizer step without reduce_sp_grads
+        with torch.no_grad():
+            layer.out_proj.weight[0, 0] += 1e-6
     elif case == "frozen_params_differ":
         (layer.dt_bias if rank == 0 else layer.A_log).requires_grad_(False)
         layer(shard_sequence(torch.randn(1, 32, HIDDEN), dist.group.WORLD)).sum().backward()
@@ -248,7 +251,8 @@ def _one_rank_bad(rank, world, case):
     return ""
 
 
-@pytest.mark.parametrize("case", ["not_a_tensor", "dtype", "nan_in_rank1_heads_of_state", "frozen_params_differ"])
+@pytest.mark.parametrize("case", ["not_a_tensor", "dtype", "nan_in_rank1_heads_of_state", "weights_differ",
+                                  "frozen_params_differ"])
 def test_a_bad_input_on_one_rank_makes_every_rank_raise(pool2, case):
     msgs = pool2.run(_one_rank_bad, case, timeout=60)
     assert all(msgs), msgs
@@ -272,3 +276,18 @@ def _not_divisible(rank, world):
 def test_global_length_not_divisible_by_sp_points_at_pad_for_sp(pool2):
     for msg in pool2.run(_not_divisible):
         assert "pad_for_sp" in msg
+
+
+def _quickstart(rank, world):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "sp_quickstart.py")
+    spec = importlib.util.spec_from_file_location("sp_quickstart", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.demo(dist.group.WORLD)
+
+
+def test_readme_sp_quickstart_example_equals_one_process(pool2):
+    for err in pool2.run(_quickstart):
+        assert err <= 1e-5
