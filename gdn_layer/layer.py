@@ -103,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads, **kw))
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, **kw)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
-        self._build_head_index()
+        self._build_head_index(device)
         self.reset_parameters()
 
     @classmethod
@@ -146,7 +146,7 @@ class GatedDeltaNet(nn.Module):
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
             self.norm.weight.fill_(1.0)
 
-    def _build_head_index(self) -> None:
+    def _build_head_index(self, device) -> None:
         """Per rank: which channels of ``[q_all | k_all | v_all | a | b]`` it owns after the all-to-all."""
         Dk, Dv, Hv = self.head_k_dim, self.head_v_dim, self.num_v_heads
         rows = []
@@ -158,7 +158,7 @@ class GatedDeltaNet(nn.Module):
             rows.append(torch.cat([qk_rows, self.key_dim + qk_rows, 2 * self.key_dim + v_rows,
                                    self.conv_dim + vh, self.conv_dim + Hv + vh]))
         # [P, C_local + 2 Hv_local]; not a parameter and not saved: derived from the sizes
-        self.register_buffer("_feature_index", torch.stack(rows), persistent=False)
+        self.register_buffer("_feature_index", torch.stack(rows).to(device), persistent=False)
         self.local_conv_dim = 2 * self.heads.k_heads_per_rank * Dk + self.heads.v_heads_per_rank * Dv
 
     # ----------------------------------------------------------------------------------------------

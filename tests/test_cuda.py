@@ -63,3 +63,48 @@ def test_bf16_layer_on_cuda_is_close_to_fp32():
     x = torch.randn(1, 1000, 128, device="cuda")
     y, y16 = layer(x), half(x.bfloat16())
     assert torch.isfinite(y16).all() and rel_err(y16, y) <= 2e-2
+
+
+def _nccl_worker(rank, world, port, validate, out):
+    import os
+
+    import torch.distributed as dist
+
+    from gdn_layer.kernels import set_validation
+    from gdn_layer.parallel import gather_sequence, reduce_sp_grads, shard_sequence
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    set_validation(validate)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    ref = GatedDeltaNet(64, 2, 4, 16, 16, device="cuda")
+    layer = GatedDeltaNet(64, 2, 4, 16, 16, sp_group=dist.group.WORLD, device="cuda")
+    layer.load_state_dict(ref.state_dict())
+    cu = torch.tensor([0, 37, 88, 128], device="cuda")
+    x = torch.randn(1, 128, 64, device="cuda")
+    y_ref, st_ref = ref(x, cu_seqlens=cu, output_state=True)
+    (y_ref.square().sum() + st_ref.recurrent_state.sum()).backward()
+    y, st = layer(shard_sequence(x, dist.group.WORLD), cu_seqlens=cu, output_state=True)
+    # each rank: its tokens' loss plus 1/P of the state term (the full state is on every rank, and its
+    # backward is a collective that every rank must join), so the sum over ranks is the loss
+    (y.square().sum() + st.recurrent_state.sum() / world).backward()
+    reduce_sp_grads(layer, dist.group.WORLD)
+    errs = [rel_err(gather_sequence(y.detach(), dist.group.WORLD), y_ref), rel_err(st.recurrent_state, st_ref.recurrent_state)]
+    errs += [rel_err(p.grad, q.grad) for p, q in zip(layer.parameters(), ref.parameters())]
+    torch.save(errs, os.path.join(out, f"errs{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("validate", [False, True])
+def test_sp2_over_nccl_matches_one_gpu(tmp_path, validate):
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_nccl_worker, args=(2, port, validate, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        errs = torch.load(tmp_path / f"errs{rank}.pt")
+        assert max(errs) <= 1e-5, errs
