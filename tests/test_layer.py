@@ -196,3 +196,8 @@ def test_bad_construction_raises(kwargs, exc, match):
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         GatedDeltaNet(**args)
+
+
+def test_every_parameter_and_buffer_lives_on_the_constructors_device():
+    layer = GatedDeltaNet(32, 2, 4, 16, 8, device="meta")
+    assert {t.device.type for t in [*layer.parameters(), *layer.buffers()]} == {"meta"}
