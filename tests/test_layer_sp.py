@@ -175,12 +175,7 @@ def test_sp_prefill_state_then_single_process_decode_equals_single_process(pool2
 
 
 def _unsupported(rank, world, Hk, Hv):
-    try:
-        GatedDeltaNet(HIDDEN, Hk, Hv, 8, 4, sp_group=dist.group.WORLD)
-    except ValueError as e:
-        msg = str(e)
-    else:
-        msg = ""
+    msg = _error_of(GatedDeltaNet, HIDDEN, Hk, Hv, 8, 4, sp_group=dist.group.WORLD)
     dist.barrier()  # no rank is stuck anywhere: construction ran no collective
     return msg
 
@@ -194,28 +189,26 @@ def test_unsupported_head_counts_raise_on_every_rank(pool2, pool4, Hk, Hv, P):
             partition_heads(Hk, Hv, 8)
         return
     for msg in pool.run(_unsupported, Hk, Hv):
-        assert msg, "constructor accepted an unsupported head partition"
+        assert msg.startswith("ValueError"), f"constructor accepted an unsupported head partition: {msg!r}"
         assert "num_k_heads" in msg and "num_v_heads" in msg
+
+
+def _error_of(fn, *args, **kwargs) -> str:
+    """The message of the ValueError/TypeError that ``fn`` raises, or "" if it returns."""
+    try:
+        fn(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def _disagree(rank, world):
     layer = _layer(2, 4, group=dist.group.WORLD)
     cu = torch.tensor([0, 10, 32]) if rank == 0 else torch.tensor([0, 12, 32])
-    try:
-        layer(torch.randn(1, 16, HIDDEN), cu_seqlens=cu)
-    except ValueError as e:
-        out = str(e)
-    else:
-        out = ""
+    out = _error_of(layer, torch.randn(1, 16, HIDDEN), cu_seqlens=cu)
     # a malformed cu_seqlens on one rank only: every rank raises, none hangs
     bad = torch.tensor([0, 40, 32]) if rank == 1 else torch.tensor([0, 10, 32])
-    try:
-        layer(torch.randn(1, 16, HIDDEN), cu_seqlens=bad)
-    except ValueError as e:
-        out2 = str(e)
-    else:
-        out2 = ""
-    return out, out2
+    return out, _error_of(layer, torch.randn(1, 16, HIDDEN), cu_seqlens=bad)
 
 
 def _one_rank_bad(rank, world, case):
@@ -239,16 +232,8 @@ def _one_rank_bad(rank, world, case):
     elif case == "frozen_params_differ":
         (layer.dt_bias if rank == 0 else layer.A_log).requires_grad_(False)
         layer(shard_sequence(torch.randn(1, 32, HIDDEN), dist.group.WORLD)).sum().backward()
-        try:
-            reduce_sp_grads(layer, dist.group.WORLD)
-        except ValueError as e:
-            return type(e).__name__ + ": " + str(e)
-        return ""
-    try:
-        layer(x, **kwargs)
-    except (TypeError, ValueError) as e:
-        return type(e).__name__ + ": " + str(e)
-    return ""
+        return _error_of(reduce_sp_grads, layer, dist.group.WORLD)
+    return _error_of(layer, x, **kwargs)
 
 
 @pytest.mark.parametrize("case", ["not_a_tensor", "dtype", "nan_in_rank1_heads_of_state", "weights_differ",
@@ -266,11 +251,7 @@ def test_ranks_given_different_cu_seqlens_all_raise_instead_of_hanging(pool2):
 
 def _not_divisible(rank, world):
     layer = _layer(2, 4, group=dist.group.WORLD)
-    try:
-        layer(torch.randn(1, 7, HIDDEN), cu_seqlens=torch.tensor([0, 13]))
-    except ValueError as e:
-        return str(e)
-    return ""
+    return _error_of(layer, torch.randn(1, 7, HIDDEN), cu_seqlens=torch.tensor([0, 13]))
 
 
 def test_global_length_not_divisible_by_sp_points_at_pad_for_sp(pool2):
