@@ -250,16 +250,11 @@ class GatedDeltaNet(nn.Module):
         if cu_seqlens is not None:
             if B != 1:
                 raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
-            if (self.sp_size > 1 and isinstance(cu_seqlens, torch.Tensor) and values_checkable(cu_seqlens)
-                    and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 0 and int(cu_seqlens[-1]) != T):
-                total = int(cu_seqlens[-1])
-                hint = (f"the global T = {total} is not divisible by the SP size {self.sp_size}: pad it with "
-                        f"gdn_layer.parallel.pad_for_sp" if total % self.sp_size else
-                        f"each rank must pass its T/P = {total // self.sp_size} token slice "
-                        f"(gdn_layer.parallel.shard_sequence)")
-                raise ValueError(f"cu_seqlens[-1] = {total} must equal the global T = SP size x "
-                                 f"hidden_states.shape[1] = {T}; {hint}")
-            cu = check_cu_seqlens(cu_seqlens, T, device=x.device)
+            hint = "" if self.sp_size == 1 else (
+                f"under SP the packed length is the global T = SP size {self.sp_size} x hidden_states.shape[1]: "
+                f"each rank passes its T/P slice (gdn_layer.parallel.shard_sequence), and a T not divisible by "
+                f"the SP size is padded first with gdn_layer.parallel.pad_for_sp")
+            cu = check_cu_seqlens(cu_seqlens, T, device=x.device, length_hint=hint)
         n = B if cu is None else cu.numel() - 1
         check_no_nan("hidden_states", x)
         if state is not None:
@@ -292,15 +287,18 @@ class GatedDeltaNet(nn.Module):
             b, a = b.flatten(2), a.flatten(2)
         return torch.cat([qkv, a, b], -1), z.reshape(*x.shape[:2], Hv, Dv)
 
-    def _local_state(self, state: GDNState | None):
-        """This rank's rows of a full state: conv channels of its heads, its value heads."""
-        if state is None:
-            return None, None
-        if self.sp_size == 1:
-            return state.conv_state, state.recurrent_state
-        rows = self._feature_index[self.sp_rank, :self.local_conv_dim]
+    def _local_conv_state(self, state: GDNState | None):
+        """This rank's channels of a full conv state (those of its q/k and value heads)."""
+        if state is None or self.sp_size == 1:
+            return None if state is None else state.conv_state
+        return state.conv_state.index_select(1, self._feature_index[self.sp_rank, :self.local_conv_dim])
+
+    def _local_recurrent_state(self, state: GDNState | None):
+        """This rank's value heads of a full recurrent state."""
+        if state is None or self.sp_size == 1:
+            return None if state is None else state.recurrent_state
         vh = self.heads.v_heads(self.sp_rank)
-        return state.conv_state.index_select(1, rows), state.recurrent_state[:, vh.start:vh.stop]
+        return state.recurrent_state[:, vh.start:vh.stop]
 
     def _conv(self, mixed, cu, state, output_state):
         """Causal conv + SiLU over the full T on this rank's channels; split into q, k, v, a, b."""
@@ -310,10 +308,9 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index[self.sp_rank, :C])
-        conv_init, _ = self._local_state(state)
         qkv, conv_state = causal_conv1d(mixed[..., :C], weight, None, activation="silu", cu_seqlens=cu,
-                                        initial_state=conv_init, output_final_state=output_state,
-                                        backend=self._backend)
+                                        initial_state=self._local_conv_state(state),
+                                        output_final_state=output_state, backend=self._backend)
         q, k, v = qkv.split([hk * Dk, hk * Dk, hv * Dv], -1)
         a, b = mixed[..., C:].split([hv, hv], -1)
         return (q.unflatten(-1, (hk, Dk)), k.unflatten(-1, (hk, Dk)), v.unflatten(-1, (hv, Dv)),
@@ -328,12 +325,11 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule(self, q, k, v, g, beta, cu, state, output_state):
         """Recurrent kernel when every sequence has at most one token (decode), chunk kernel otherwise."""
-        _, init = self._local_state(state)
         n = q.shape[0] if cu is None else cu.numel() - 1
         decode = q.shape[0] * q.shape[1] <= n
         kernel = recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
-        return kernel(q, k, v, g, beta, initial_state=init, output_final_state=output_state,
-                      cu_seqlens=cu, use_qk_l2norm=True, backend=self._backend)
+        return kernel(q, k, v, g, beta, initial_state=self._local_recurrent_state(state),
+                      output_final_state=output_state, cu_seqlens=cu, use_qk_l2norm=True, backend=self._backend)
 
     def _full_state(self, conv_state, recurrent_state) -> GDNState:
         """Under SP, gather every rank's heads into the full state (transformers' channel order)."""

@@ -51,7 +51,7 @@ def values_checkable(t: torch.Tensor) -> bool:
 
 
 def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | None = None,
-                     name: str = "cu_seqlens") -> torch.Tensor:
+                     name: str = "cu_seqlens", length_hint: str = "") -> torch.Tensor:
     """Validate packed-sequence boundaries and return them as int64 on ``device``.
 
     Args:
@@ -60,6 +60,7 @@ def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | N
             converted, never reinterpreted).
         total_len: the packed length T the boundaries must end at (None skips that check).
         device: where the returned tensor lives (default: where ``cu_seqlens`` lives).
+        length_hint: appended to the ``cu[-1] != total_len`` message (e.g. how to fix it under SP).
 
     Raises:
         TypeError: not a tensor.
@@ -84,7 +85,8 @@ def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | N
             raise ValueError(f"{name} must be non-decreasing, but {name}[{i + 1}] = {int(host[i + 1])} "
                              f"< {name}[{i}] = {int(host[i])}")
         if total_len is not None and int(host[-1]) != total_len:
-            raise ValueError(f"{name}[-1] must equal the packed length T = {total_len}, got {int(host[-1])}")
+            raise ValueError(f"{name}[-1] must equal the packed length T = {total_len}, got {int(host[-1])}"
+                             + (f"; {length_hint}" if length_hint else ""))
     return cu_seqlens.to(device=device if device is not None else cu_seqlens.device, dtype=torch.int64)
 
 

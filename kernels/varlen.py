@@ -20,17 +20,16 @@ class VarlenLayout:
     """
 
     def __init__(self, lengths: list[int], padded_len: int, device: torch.device):
-        self.lengths = lengths
         self.n = len(lengths)
         self.padded_len = padded_len
-        self.total = sum(lengths)
-        starts = torch.tensor([0] + lengths[:-1], dtype=torch.int64).cumsum(0) if lengths else torch.zeros(0, dtype=torch.int64)
+        total = sum(lengths)
+        starts = torch.tensor([0, *lengths[:-1]], dtype=torch.int64).cumsum(0)[:len(lengths)]
         lens = torch.tensor(lengths, dtype=torch.int64)
         pos = torch.arange(padded_len, dtype=torch.int64)
         valid = pos[None, :] < lens[:, None]                              # [N, L]
         # gather index into the packed tensor; padding points one past the end (a zero row)
         self.gather_index = torch.where(valid, starts[:, None] + pos[None, :],
-                                        torch.full_like(pos[None, :], self.total)).reshape(-1).to(device)
+                                        torch.full_like(pos[None, :], total)).reshape(-1).to(device)
         # for each packed token, its flat position in [N * L]
         self.scatter_index = torch.nonzero(valid.reshape(-1)).reshape(-1).to(device)
         self.lengths_t = lens.to(device)
