@@ -4,11 +4,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gdn_layer import kernels
-from gdn_layer.kernels import causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from gdn_layer.kernels import (causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, gdn_gate,
+                               recurrent_gated_delta_rule)
 from gdn_layer.kernels.validation import check_no_nan, skip_value_checks, values_checkable
 from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import (agree_across_ranks, digest_of, gather_heads, head_to_seq, partition_heads,
@@ -317,11 +317,10 @@ class GatedDeltaNet(nn.Module):
                 a, b, conv_state)
 
     def _gate(self, a, b):
-        """``g = -exp(A_log) softplus(a + dt_bias)`` in fp32 and ``beta = sigmoid(b)``, this rank's heads."""
+        """``g = -exp(A_log) softplus(a + dt_bias)`` (fp32, fp64 for fp64 weights) and ``beta = sigmoid(b)``,
+        this rank's heads."""
         vh = self.heads.v_heads(self.sp_rank)
-        A_log, dt_bias = self.A_log[vh.start:vh.stop], self.dt_bias[vh.start:vh.stop]
-        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-        return g, b.sigmoid()
+        return gdn_gate(a, b, self.A_log[vh.start:vh.stop], self.dt_bias[vh.start:vh.stop], backend=self._backend)
 
     def _delta_rule(self, q, k, v, g, beta, cu, state, output_state):
         """Recurrent kernel when every sequence has at most one token (decode), chunk kernel otherwise."""

@@ -93,3 +93,32 @@ def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
     return resolve_backend(backend, x.device).gated_rms_norm(x, z, weight, eps)
+
+
+def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
+    """The gate of the GatedDeltaNet block: ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``.
+
+    Args:
+        a, b: ``[B, T, H]`` floating (any strides: views into a wider buffer are read in place).
+        A_log, dt_bias: ``[H]``.
+
+    Returns:
+        ``(g, beta)``: g ``[B, T, H]`` fp32 (float64 when any input is float64), ``<= 0``;
+        beta ``[B, T, H]`` in b's dtype.
+
+    Raises:
+        TypeError / ValueError naming the argument (non-tensors, non-floating dtypes, shapes, devices).
+    """
+    for name, t in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != a.device:
+            raise ValueError(f"{name} is on {t.device} but a is on {a.device}")
+    if a.dim() != 3 or a.shape != b.shape:
+        raise ValueError(f"a and b must be [B, T, H] of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if tuple(t.shape) != (a.shape[-1],):
+            raise ValueError(f"{name} must be [H] = [{a.shape[-1]}], got {tuple(t.shape)}")
+    return resolve_backend(backend, a.device).gdn_gate(a, b, A_log, dt_bias)

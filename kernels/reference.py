@@ -200,3 +200,15 @@ def gated_rms_norm(x, z, weight, eps=1e-6):
     h = weight * h.to(in_dtype)
     h = h * F.silu(z.to(h.dtype if in_dtype == torch.float64 else torch.float32))
     return h.to(in_dtype)
+
+
+def gdn_gate(a, b, A_log, dt_bias):
+    """The GatedDeltaNet gate: ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``.
+
+    ``a, b: [B, T, H]`` (any strides), ``A_log, dt_bias: [H]``. g in the compute dtype (fp32, or
+    float64 when any input is float64), ``g <= 0``; beta in b's dtype. Source: transformers'
+    Qwen3NextGatedDeltaNet (Mamba2's discretisation ``dt = softplus(a + dt_bias)``, ``A = -exp(A_log)``).
+    """
+    dt = compute_dtype(a, A_log, dt_bias)
+    g = -A_log.to(dt).exp() * F.softplus(a.to(dt) + dt_bias.to(dt))
+    return g, b.sigmoid()

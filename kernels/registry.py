@@ -31,6 +31,7 @@ class Backend:
     gated_rms_norm: Callable
     available: Callable[[torch.device], tuple[bool, str]]
     priority: int = 0   # "auto" takes the available backend with the highest priority
+    gdn_gate: Callable = reference.gdn_gate
 
 
 _BACKENDS: dict[str, Backend] = {}
