@@ -2,12 +2,17 @@
 
 ``from gdn_layer.kernels import chunk_gated_delta_rule, recurrent_gated_delta_rule, causal_conv1d``.
 """
-from .api import causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, gdn_gate, recurrent_gated_delta_rule
-from .registry import Backend, available_backends, register_backend, resolve_backend
-from .validation import check_cu_seqlens, set_validation, validation_enabled
 
-__all__ = [
-    "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d", "gated_rms_norm", "gdn_gate",
-    "Backend", "available_backends", "register_backend", "resolve_backend",
-    "check_cu_seqlens", "set_validation", "validation_enabled",
-]
+# Run from the repository root, this source folder is importable as a top-level ``kernels`` too, the
+# name of PyPI's Hugging Face kernel hub, which transformers probes (and imports) at start-up. Imported
+# under that name it must define nothing: a second import would register the custom ops again.
+if __name__ == "gdn_layer.kernels":
+    from .api import causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, gdn_gate, recurrent_gated_delta_rule
+    from .registry import Backend, available_backends, register_backend, resolve_backend
+    from .validation import check_cu_seqlens, set_validation, validation_enabled
+
+    __all__ = [
+        "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d", "gated_rms_norm", "gdn_gate",
+        "Backend", "available_backends", "register_backend", "resolve_backend",
+        "check_cu_seqlens", "set_validation", "validation_enabled",
+    ]

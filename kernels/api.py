@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .registry import resolve_backend
 from .validation import check_conv_inputs, check_flags, check_gated_delta_inputs, check_scale
+
+
+def _scale(scale, q) -> float:
+    return float(q.shape[-1] ** -0.5 if scale is None else scale)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -35,10 +40,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     check_flags(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
     check_scale(scale)
     _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    impl = resolve_backend(backend, q.device)
-    return impl.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                       output_final_state=output_final_state, cu=cu,
-                                       use_qk_l2norm=use_qk_l2norm)
+    name = resolve_backend(backend, q.device).name
+    o, final = ops.chunk_gated_delta_rule_op(q, k, v, g, beta, initial_state, cu, _scale(scale, q),
+                                             output_final_state, use_qk_l2norm, name)
+    return o, (final if output_final_state else None)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -51,10 +56,10 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     check_flags(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
     check_scale(scale)
     _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    impl = resolve_backend(backend, q.device)
-    return impl.recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                           output_final_state=output_final_state, cu=cu,
-                                           use_qk_l2norm=use_qk_l2norm)
+    name = resolve_backend(backend, q.device).name
+    o, final = ops.recurrent_gated_delta_rule_op(q, k, v, g, beta, initial_state, cu, _scale(scale, q),
+                                                 output_final_state, use_qk_l2norm, name)
+    return o, (final if output_final_state else None)
 
 
 def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, initial_state=None,
@@ -73,9 +78,11 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     """
     check_flags(output_final_state=output_final_state)
     _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
-    impl = resolve_backend(backend, x.device)
-    return impl.causal_conv1d(x, weight, bias=bias, activation=activation, cu=cu, initial_state=initial_state,
-                              output_final_state=output_final_state)
+    name = resolve_backend(backend, x.device).name
+    activation = "silu" if activation in ("silu", "swish") else "identity"
+
+    y, final = ops.causal_conv1d_op(x, weight, bias, initial_state, cu, activation, output_final_state, name)
+    return y, (final if output_final_state else None)
 
 
 def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
@@ -92,7 +99,7 @@ def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
         raise ValueError(f"x and z must have the same shape, got {tuple(x.shape)} and {tuple(z.shape)}")
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
-    return resolve_backend(backend, x.device).gated_rms_norm(x, z, weight, eps)
+    return ops.gated_rms_norm_op(x, z, weight, float(eps), resolve_backend(backend, x.device).name)
 
 
 def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
@@ -121,4 +128,4 @@ def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if tuple(t.shape) != (a.shape[-1],):
             raise ValueError(f"{name} must be [H] = [{a.shape[-1]}], got {tuple(t.shape)}")
-    return resolve_backend(backend, a.device).gdn_gate(a, b, A_log, dt_bias)
+    return ops.gdn_gate_op(a, b, A_log, dt_bias, resolve_backend(backend, a.device).name)

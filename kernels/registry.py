@@ -23,7 +23,13 @@ log = logging.getLogger("gdn_layer.kernels")
 
 @dataclass(frozen=True)
 class Backend:
-    """A named implementation of the ops; ``available(device) -> (ok, reason)``."""
+    """A named implementation of the ops; ``available(device) -> (ok, reason)``.
+
+    The forward callables have the signatures of ``reference.py``'s functions (inputs validated,
+    ``cu`` int64 or None). Each ``*_bwd`` is optional: given, it computes the input gradients from the
+    inputs and the output gradients (signatures in ``ops.py``); None means the gradients are the
+    vector-Jacobian product of the forward callable (right for pure-torch implementations).
+    """
     name: str
     chunk_gated_delta_rule: Callable
     recurrent_gated_delta_rule: Callable
@@ -32,6 +38,11 @@ class Backend:
     available: Callable[[torch.device], tuple[bool, str]]
     priority: int = 0   # "auto" takes the available backend with the highest priority
     gdn_gate: Callable = reference.gdn_gate
+    chunk_gated_delta_rule_bwd: Callable | None = None
+    recurrent_gated_delta_rule_bwd: Callable | None = None
+    causal_conv1d_bwd: Callable | None = None
+    gdn_gate_bwd: Callable | None = None
+    gated_rms_norm_bwd: Callable | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -41,6 +52,11 @@ _AUTO_LOGGED: set[str] = set()
 def register_backend(backend: Backend) -> None:
     """Add (or replace) a backend by name."""
     _BACKENDS[backend.name] = backend
+
+
+def backend_by_name(name: str) -> Backend:
+    """The registered backend called ``name`` (no device check; ``resolve_backend`` does that)."""
+    return _BACKENDS[name]
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:

@@ -1,0 +1,301 @@
+"""Every backend's math behind one set of ``torch.library`` custom ops (namespace ``gdn_layer``).
+
+Why: ``torch.compile`` sees one opaque op per kernel (with a fake implementation for shapes), so a new
+packed length or sequence count is just new symbolic sizes, never a graph break or a recompile; and
+autograd is registered once, here, for every backend.
+
+Each op takes the resolved backend's name as a string argument and calls that backend's forward
+callable; its backward is a second custom op that calls the backend's backward callable, or, for a
+backend that gives none (the torch reference, or a user-registered pure-torch backend), the
+vector-Jacobian product of its forward through ``torch.func.vjp`` (plain autograd does not record
+inside a custom op). Backward ops recompute what they need from the inputs: nothing but the inputs
+is saved for backward.
+
+Ops (inputs already validated by ``api.py``; optional outputs come back as empty tensors):
+
+- ``chunk_gated_delta_rule`` / ``recurrent_gated_delta_rule``:
+  ``(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, output_final_state, use_qk_l2norm, backend)
+  -> (o [B,T,Hv,Dv] v.dtype, final [N,Hv,Dk,Dv] fp32|fp64)``
+- ``causal_conv1d``: ``(x, weight, bias?, initial_state?, cu_seqlens?, activation, output_final_state,
+  backend) -> (y [B,T,C] x.dtype, final [N,C,W-1] fp32|fp64)``
+- ``gdn_gate``: ``(a, b, A_log, dt_bias, backend) -> (g [B,T,H] fp32|fp64, beta b.dtype)``
+- ``gated_rms_norm``: ``(x, z, weight, eps, backend) -> y x.dtype``
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .registry import backend_by_name
+
+_EMPTY = (0,)
+
+
+def math_dtype(*tensors) -> torch.dtype:
+    """float64 when any given tensor is float64, else float32 (the kernels' rule for states)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _own(t: Tensor, *inputs) -> Tensor:
+    """``t``, or a copy of it where it shares memory with an input (a custom op must not alias them:
+    e.g. the state of a zero-length sequence is its initial state)."""
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    ptr = t.untyped_storage().data_ptr()
+    if any(x is not None and x.numel() and x.untyped_storage().data_ptr() == ptr for x in inputs):
+        return t.clone()
+    return t
+
+
+def _empty_like_none(t: Tensor | None, ref: Tensor) -> Tensor:
+    return ref.new_empty(_EMPTY) if t is None else t
+
+
+def _vjp(fwd, primals: tuple, cotangents: tuple) -> list:
+    """Gradients of ``fwd(*primals)`` (pure torch, returning a tuple of tensors) for ``cotangents``.
+
+    ``None`` primals get ``None`` gradients; a ``None`` cotangent counts as zeros.
+    """
+    slots = [i for i, p in enumerate(primals) if p is not None]
+
+    def f(*diff):
+        args = list(primals)
+        for i, d in zip(slots, diff):
+            args[i] = d
+        return tuple(fwd(*args))
+
+    outs, pullback = torch.func.vjp(f, *(primals[i].detach() for i in slots))
+    cts = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outs, cotangents))
+    full = [None] * len(primals)
+    for i, d in zip(slots, pullback(cts)):
+        full[i] = d
+    return full
+
+
+# ------------------------------------------------------------------------------------------------
+# gated delta rule (chunk and recurrent share one schema)
+
+def _delta_rule_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, backend):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o = v.new_empty(v.shape)
+    if not output_final_state:
+        return o, q.new_empty(_EMPTY, dtype=math_dtype(q, k, v, g, beta, initial_state))
+    return o, q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=math_dtype(q, k, v, g, beta, initial_state))
+
+
+def _make_delta_rule_ops(kind: str):
+    fwd_attr, bwd_attr = f"{kind}_gated_delta_rule", f"{kind}_gated_delta_rule_bwd"
+
+    @torch.library.custom_op(f"gdn_layer::{kind}_gated_delta_rule", mutates_args=())
+    def op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+           cu_seqlens: Optional[Tensor], scale: float, output_final_state: bool, use_qk_l2norm: bool,
+           backend: str) -> tuple[Tensor, Tensor]:
+        impl = getattr(backend_by_name(backend), fwd_attr)
+        o, final = impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, cu=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+        dt = math_dtype(q, k, v, g, beta, initial_state)
+        final = final.to(dt) if final is not None else q.new_empty(_EMPTY, dtype=dt)
+        return _own(o.to(v.dtype), q, k, v, g, beta, initial_state), _own(final, q, k, v, g, beta, initial_state)
+
+    op.register_fake(_delta_rule_fake)
+
+    @torch.library.custom_op(f"gdn_layer::{kind}_gated_delta_rule_bwd", mutates_args=())
+    def bwd(do: Tensor, dfinal: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+            initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float, output_final_state: bool,
+            use_qk_l2norm: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        b = backend_by_name(backend)
+        custom = getattr(b, bwd_attr)
+        if custom is not None:
+            dq, dk, dv, dg, dbeta, dh0 = custom(do, dfinal, q, k, v, g, beta, scale=scale,
+                                                initial_state=initial_state, cu=cu_seqlens,
+                                                use_qk_l2norm=use_qk_l2norm)
+        else:
+            fwd = getattr(b, fwd_attr)
+
+            def f(q, k, v, g, beta, h0):
+                o, fin = fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
+                             output_final_state=output_final_state, cu=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+                return (o, fin) if output_final_state else (o,)
+
+            dq, dk, dv, dg, dbeta, dh0 = _vjp(f, (q, k, v, g, beta, initial_state), (do, dfinal)[:1 + output_final_state])
+        grads = [x.to(ref.dtype) for x, ref in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta))]
+        dh0 = _empty_like_none(dh0 if initial_state is not None else None, q)
+        return tuple(_own(d, do, dfinal) for d in (*grads, dh0))
+
+    @bwd.register_fake
+    def _(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, backend):
+        dh0 = q.new_empty(_EMPTY) if initial_state is None else initial_state.new_empty(initial_state.shape)
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+                beta.new_empty(beta.shape), dh0)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, backend = inputs
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.args = (scale, output_final_state, use_qk_l2norm, backend)
+
+    def backward(ctx, do, dfinal):
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        scale, output_final_state, use_qk_l2norm, backend = ctx.args
+        dfinal = dfinal if output_final_state else None
+        dq, dk, dv, dg, dbeta, dh0 = bwd(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens,
+                                         scale, output_final_state, use_qk_l2norm, backend)
+        return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
+
+
+chunk_gated_delta_rule_op = _make_delta_rule_ops("chunk")
+recurrent_gated_delta_rule_op = _make_delta_rule_ops("recurrent")
+
+
+# ------------------------------------------------------------------------------------------------
+# causal conv1d
+
+@torch.library.custom_op("gdn_layer::causal_conv1d", mutates_args=())
+def causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
+                     cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
+                     backend: str) -> tuple[Tensor, Tensor]:
+    y, final = backend_by_name(backend).causal_conv1d(
+        x, weight, bias=bias, activation=activation, cu=cu_seqlens, initial_state=initial_state,
+        output_final_state=output_final_state)
+    dt = math_dtype(x, weight)
+    final = final.to(dt) if final is not None else x.new_empty(_EMPTY, dtype=dt)
+    return _own(y.to(x.dtype).contiguous(), x, initial_state), _own(final, x, initial_state)
+
+
+@causal_conv1d_op.register_fake
+def _(x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
+    N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    shape = (N, x.shape[2], weight.shape[1] - 1) if output_final_state else _EMPTY
+    return x.new_empty(x.shape), x.new_empty(shape, dtype=math_dtype(x, weight))
+
+
+@torch.library.custom_op("gdn_layer::causal_conv1d_bwd", mutates_args=())
+def causal_conv1d_bwd_op(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                         initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], activation: str,
+                         output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    b = backend_by_name(backend)
+    if b.causal_conv1d_bwd is not None:
+        dx, dw, db, dh0 = b.causal_conv1d_bwd(dy, dfinal, x, weight, bias, activation=activation, cu=cu_seqlens,
+                                              initial_state=initial_state)
+    else:
+        def f(x, weight, bias, h0):
+            y, fin = b.causal_conv1d(x, weight, bias=bias, activation=activation, cu=cu_seqlens, initial_state=h0,
+                                     output_final_state=output_final_state)
+            return (y, fin) if output_final_state else (y,)
+
+        dx, dw, db, dh0 = _vjp(f, (x, weight, bias, initial_state), (dy, dfinal)[:1 + output_final_state])
+    grads = (dx.to(x.dtype), dw.to(weight.dtype), _empty_like_none(None if bias is None else db.to(bias.dtype), x),
+             _empty_like_none(None if initial_state is None else dh0.to(initial_state.dtype), x))
+    return tuple(_own(d, dy, dfinal) for d in grads)
+
+
+@causal_conv1d_bwd_op.register_fake
+def _(dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            x.new_empty(_EMPTY) if bias is None else bias.new_empty(bias.shape),
+            x.new_empty(_EMPTY) if initial_state is None else initial_state.new_empty(initial_state.shape))
+
+
+def _conv_setup(ctx, inputs, output):
+    x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend = inputs
+    ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
+    ctx.args = (activation, output_final_state, backend)
+
+
+def _conv_backward(ctx, dy, dfinal):
+    x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
+    activation, output_final_state, backend = ctx.args
+    dx, dw, db, dh0 = causal_conv1d_bwd_op(dy, dfinal if output_final_state else None, x, weight, bias,
+                                           initial_state, cu_seqlens, activation, output_final_state, backend)
+    return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
+            None, None, None, None)
+
+
+causal_conv1d_op.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+# ------------------------------------------------------------------------------------------------
+# gate
+
+@torch.library.custom_op("gdn_layer::gdn_gate", mutates_args=())
+def gdn_gate_op(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    g, beta = backend_by_name(backend).gdn_gate(a, b, A_log, dt_bias)
+    return _own(g.to(math_dtype(a, A_log, dt_bias)), a), _own(beta.to(b.dtype), b)
+
+
+@gdn_gate_op.register_fake
+def _(a, b, A_log, dt_bias, backend):
+    return a.new_empty(a.shape, dtype=math_dtype(a, A_log, dt_bias)), b.new_empty(b.shape)
+
+
+@torch.library.custom_op("gdn_layer::gdn_gate_bwd", mutates_args=())
+def gdn_gate_bwd_op(dg: Tensor, dbeta: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+                    backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    impl = backend_by_name(backend)
+    if impl.gdn_gate_bwd is not None:
+        grads = impl.gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias)
+    else:
+        grads = _vjp(impl.gdn_gate, (a, b, A_log, dt_bias), (dg, dbeta))
+    return tuple(_own(d.to(x.dtype), dg, dbeta) for d, x in zip(grads, (a, b, A_log, dt_bias)))
+
+
+@gdn_gate_bwd_op.register_fake
+def _(dg, dbeta, a, b, A_log, dt_bias, backend):
+    return tuple(x.new_empty(x.shape) for x in (a, b, A_log, dt_bias))
+
+
+def _gate_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4])
+    ctx.backend = inputs[4]
+
+
+def _gate_backward(ctx, dg, dbeta):
+    return (*gdn_gate_bwd_op(dg, dbeta, *ctx.saved_tensors, ctx.backend), None)
+
+
+gdn_gate_op.register_autograd(_gate_backward, setup_context=_gate_setup)
+
+
+# ------------------------------------------------------------------------------------------------
+# gated RMSNorm
+
+@torch.library.custom_op("gdn_layer::gated_rms_norm", mutates_args=())
+def gated_rms_norm_op(x: Tensor, z: Tensor, weight: Tensor, eps: float, backend: str) -> Tensor:
+    return _own(backend_by_name(backend).gated_rms_norm(x, z, weight, eps).to(x.dtype).contiguous(), x, z)
+
+
+@gated_rms_norm_op.register_fake
+def _(x, z, weight, eps, backend):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("gdn_layer::gated_rms_norm_bwd", mutates_args=())
+def gated_rms_norm_bwd_op(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, eps: float,
+                          backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    impl = backend_by_name(backend)
+    if impl.gated_rms_norm_bwd is not None:
+        grads = impl.gated_rms_norm_bwd(dy, x, z, weight, eps)
+    else:
+        grads = _vjp(lambda x, z, w: (impl.gated_rms_norm(x, z, w, eps),), (x, z, weight), (dy,))
+    return tuple(_own(d.to(t.dtype), dy) for d, t in zip(grads, (x, z, weight)))
+
+
+@gated_rms_norm_bwd_op.register_fake
+def _(dy, x, z, weight, eps, backend):
+    return x.new_empty(x.shape), z.new_empty(z.shape), weight.new_empty(weight.shape)
+
+
+def _norm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+    ctx.args = inputs[3:]
+
+
+def _norm_backward(ctx, dy):
+    return (*gated_rms_norm_bwd_op(dy, *ctx.saved_tensors, *ctx.args), None, None)
+
+
+gated_rms_norm_op.register_autograd(_norm_backward, setup_context=_norm_setup)
