@@ -83,6 +83,7 @@ def parse_kill_at(spec: str) -> tuple[str | int, int]:
 
 
 def kill_self() -> None:
+    """SIGKILL this process: no handler, no cleanup, as the OOM killer would (``--kill-at`` only)."""
     os.kill(os.getpid(), signal.SIGKILL)
 
 
