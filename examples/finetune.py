@@ -7,8 +7,9 @@
 World = dp * sp ranks; SP groups are consecutive ranks. Each step every data-parallel replica takes one
 packed sequence of ``--seq-len`` tokens (documents back to back, ``cu_seqlens`` at their boundaries);
 its SP ranks each hold a contiguous ``T / sp`` slice. Gradients are summed over SP (``reduce_sp_grads``)
-and averaged over DP. Writes to ``--out``: ``checkpoint.pt`` (atomic), ``loss.png``, ``log.jsonl``,
-``metrics.json``. See docs/finetune.md.
+and averaged over DP. Writes to ``--out``: ``checkpoint.pt`` (atomic, see checkpoint.py), ``loss.png``,
+``log.jsonl``, ``metrics.json``. A resumed run cuts ``log.jsonl`` back to the checkpoint's step, so after a
+crash and ``--resume`` every output equals an uninterrupted run's. See docs/finetune.md.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import text_data
+from checkpoint import load_checkpoint, save_checkpoint, truncate_log
 from hybrid import default_gdn_heads, hybrid_forward, load_model, local_loss, make_hybrid, parse_layers
 from gdn_layer.parallel import reduce_sp_grads
 
@@ -57,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--backend", default="auto", help="GatedDeltaNet kernel backend")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    # Fault injection for tests/test_finetune_faults.py only: 'RANK:STEP' makes rank RANK SIGKILL itself on
+    # entering step STEP (1-based); 'save:STEP' makes rank 0 SIGKILL itself while saving the checkpoint
+    # of step STEP, after the temp file is written and before it is renamed.
+    p.add_argument("--kill-at", type=parse_kill_at, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ["steps", "seq_len", "eval_tokens", "save_every"]:
         if getattr(args, name) < 1:
@@ -64,6 +71,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sp is not None and args.sp < 1:
         raise ValueError(f"--sp must be >= 1, got {args.sp}")
     return args
+
+
+def parse_kill_at(spec: str) -> tuple[str | int, int]:
+    """``'RANK:STEP'`` -> ``(RANK, STEP)``, ``'save:STEP'`` -> ``('save', STEP)`` (the hidden ``--kill-at``)."""
+    where, _, step = spec.partition(":")
+    try:
+        return (where if where == "save" else int(where)), int(step)
+    except ValueError:
+        raise ValueError(f"--kill-at must be 'RANK:STEP' or 'save:STEP', got {spec!r}") from None
+
+
+def kill_self() -> None:
+    """SIGKILL this process: no handler, no cleanup, as the OOM killer would (``--kill-at`` only)."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------------ distributed
@@ -157,16 +178,6 @@ def evaluate(model, batches: list[text_data.PackedBatch], ctx: Ctx) -> float:
 
 
 # ------------------------------------------------------------------------------ outputs on rank 0
-def save_checkpoint(path: str, state: dict) -> None:
-    """Write ``state`` to a temp file beside ``path``, fsync, then ``os.replace``: a crash leaves the old file whole."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def plot_losses(history: list[float], evals: dict, original: float | None, path: str) -> None:
     """Training loss per step, held-out loss before/after and of the original model, as a PNG (Agg)."""
     import matplotlib
@@ -190,7 +201,7 @@ def plot_losses(history: list[float], evals: dict, original: float | None, path:
 
 
 def config_of(args) -> dict:
-    """What a checkpoint must agree on to be resumed (SP/DP sizes may change)."""
+    """What a checkpoint must agree on to be resumed (the SP size may change; ``restore`` checks the DP size)."""
     return {k: getattr(args, k) for k in ["model", "tiny", "data", "layers", "gdn_heads", "conv_init", "train",
                                           "seq_len", "lr", "warmup", "seed", "dtype"]}
 
@@ -242,21 +253,31 @@ def build(args, ctx: Ctx):
     return model, params, saved_keys, train, held, original, summary
 
 
-def restore(path: str, args, model, optimizer, sched, saved_keys: list[str], device) -> dict:
+def restore(path: str, args, model, optimizer, sched, saved_keys: list[str], ctx: Ctx) -> dict:
     """Load a checkpoint into model / optimizer / scheduler / RNG; returns its training state.
 
-    Raises ValueError: no file, ``--steps`` below its step, other settings than ``config_of(args)``, or
-    missing parameters.
+    The SP size may differ from the checkpoint's (parameters are whole on every rank; the math is the
+    same up to float rounding). The DP size may not: it is the number of sequences per step and picks
+    which sequence each step trains on (``text_data.batch_for_step``), so another DP size would train on
+    other data than the interrupted run, re-feeding sequences it already took.
+
+    Raises ValueError: no file, a file holding objects other than tensors/containers/numbers/strings
+    (``load_checkpoint``), ``--steps`` below its step, other settings than ``config_of(args)``, another
+    DP size, or missing parameters.
     """
-    if not os.path.isfile(path):
-        raise ValueError(f"--resume: no checkpoint at {path}")
-    state = torch.load(path, map_location=device, weights_only=False)
+    state = load_checkpoint(path, ctx.device)
     if state["step"] > args.steps:
         raise ValueError(f"--steps {args.steps} is below the checkpoint's step {state['step']}")
     now = config_of(args)
     if state["config"] != now:
         diff = {k: (v, now[k]) for k, v in state["config"].items() if now[k] != v}
         raise ValueError(f"--resume: checkpoint was made with different settings (saved, now): {diff}")
+    saved_dp = state.get("dp", ctx.dp)          # checkpoints from before the DP size was saved: unchecked
+    if saved_dp != ctx.dp:
+        raise ValueError(f"--resume: checkpoint was trained with DP size {saved_dp} (sequences per step), this run "
+                         f"has {ctx.dp} (world {ctx.dp * ctx.sp} / --sp {ctx.sp}); the DP size sets the batch and "
+                         f"the data order, so it cannot change on resume: launch {saved_dp} x SP processes "
+                         f"(e.g. {saved_dp * ctx.sp} at --sp {ctx.sp})")
     missing = set(saved_keys) - set(state["model"])
     if missing:
         raise ValueError(f"--resume: checkpoint lacks {sorted(missing)[:3]}...")
@@ -283,14 +304,19 @@ def run(args: argparse.Namespace) -> dict:
     model, params, saved_keys, train, held, original, summary = build(args, ctx)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
-    ckpt_path = os.path.join(args.out, "checkpoint.pt")
+    ckpt_path, log_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "log.jsonl")
+    kill_rank, kill_step = args.kill_at or (None, None)
     state = {"step": 0, "history": [], "evals": {}, "eval_original": original}
     if args.resume:
         state = restore(ckpt_path if args.resume == "auto" else args.resume, args, model, optimizer, sched,
-                        saved_keys, ctx.device)
+                        saved_keys, ctx)
         if lead:
             print(f"resumed from step {state['step']}" + (f"; already at --steps {args.steps}: pass a larger "
                   "--steps to train on" if state["step"] >= args.steps else ""), flush=True)
+            kept = truncate_log(log_path, state["step"])
+            if kept != list(range(1, state["step"] + 1)):
+                print(f"note: {log_path} held {len(kept)} of the checkpoint's {state['step']} steps "
+                      "(deleted, or another --out); it continues from there", flush=True)
     if 0 not in state["evals"]:
         state["evals"][0] = evaluate(model, held, ctx)
     if lead:
@@ -299,10 +325,12 @@ def run(args: argparse.Namespace) -> dict:
               + (f" (the original model, softmax attention in every layer: {orig:.4f})" if orig is not None else ""),
               flush=True)
 
-    log = open(os.path.join(args.out, "log.jsonl"), "a" if args.resume else "w") if lead else None
+    log = open(log_path, "a" if args.resume else "w") if lead else None
     bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, disable=not lead,
                desc="fine-tune", dynamic_ncols=True)
     for step in bar:
+        if kill_rank == ctx.rank and kill_step == step + 1:
+            kill_self()
         t0, lr = time.perf_counter(), sched.get_last_lr()[0]
         loss = train_step(model, params, optimizer, text_data.batch_for_step(train, step, ctx.dp_rank, ctx.dp, args.seed), ctx)
         sched.step()
@@ -318,10 +346,12 @@ def run(args: argparse.Namespace) -> dict:
             log.write(json.dumps({"step": step + 1, "loss": loss, "lr": lr, "tokens_per_s": tok_s}) + "\n")
             log.flush()
             if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+                os.fsync(log.fileno())        # a checkpoint of step s implies log lines 1..s are on disk
                 full = model.state_dict()
                 save_checkpoint(ckpt_path, {**state, "model": {k: full[k] for k in saved_keys},
                                             "optimizer": optimizer.state_dict(), "scheduler": sched.state_dict(),
-                                            "rng": torch.get_rng_state(), "config": config_of(args)})
+                                            "rng": torch.get_rng_state(), "config": config_of(args), "dp": ctx.dp},
+                                before_rename=kill_self if (kill_rank, kill_step) == ("save", step + 1) else None)
     bar.close()
     if args.steps not in state["evals"]:                 # resumed at the last step already
         state["evals"][args.steps] = evaluate(model, held, ctx)
