@@ -86,6 +86,17 @@ def test_gate_bf16_matches_reference(param_dtype):
     check_gate(3, 21, 8, dtype=torch.bfloat16, param_dtype=param_dtype, tol=3e-3)   # a bf16 ulp is 3.9e-3
 
 
+def test_gate_bf16_beta_grad_uses_the_rounded_beta_like_torch():
+    # near saturation 1 - beta is a few bf16 ulps: torch's sigmoid backward reads the bf16 output,
+    # so using the unrounded fp32 sigmoid would change db by up to 100% per element
+    b = torch.linspace(3.0, 7.0, 64, device=DEVICE).to(torch.bfloat16).reshape(1, 64, 1).requires_grad_()
+    A_log, dt_bias = torch.zeros(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+    dbeta = torch.randn(1, 64, 1, device=DEVICE).to(torch.bfloat16)
+    db = gate.gdn_gate_bwd(None, dbeta, b.detach(), b.detach(), A_log, dt_bias)[1]
+    (db_ref,) = torch.autograd.grad(reference.gdn_gate(b, b, A_log, dt_bias)[1], b, dbeta)
+    torch.testing.assert_close(db, db_ref, rtol=1e-2, atol=0)
+
+
 def test_gate_float64_computes_in_float64():
     buf, a, b, A_log, dt_bias = gate_inputs(2, 9, 3, dtype=torch.float64, param_dtype=torch.float64)
     g, beta = gate.gdn_gate(a, b, A_log, dt_bias)
