@@ -135,6 +135,7 @@ def gdn_gate_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias:
         beta ``[B, T, H]`` contiguous in b's dtype.
     """
     B, T, H = a.shape
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()     # [H]: no-ops for parameters
     g_dt, beta_dt = _dtypes(a, b, A_log, dt_bias)
     g = torch.empty(B, T, H, dtype=torch.float64 if g_dt == tl.float64 else torch.float32, device=a.device)
     beta = torch.empty(B, T, H, dtype=b.dtype, device=b.device)
@@ -162,6 +163,7 @@ def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias):
         order: deterministic, no atomics.
     """
     B, T, H = a.shape
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
     g_dt, beta_dt = _dtypes(a, b, A_log, dt_bias)
     acc_dtype = torch.float64 if g_dt == tl.float64 else torch.float32
     da = torch.empty(B, T, H, dtype=a.dtype, device=a.device)

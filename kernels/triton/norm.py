@@ -151,7 +151,7 @@ def gated_rms_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     x2, z2 = _rows(x, D), _rows(z, D)
     BLOCK_M, BLOCK_D, num_warps = _blocks(D)
     _norm_fwd_kernel[(triton.cdiv(M, BLOCK_M),)](
-        x2, z2, weight, y, rstd, M, x2.stride(0), z2.stride(0), eps,
+        x2, z2, weight.contiguous(), y, rstd, M, x2.stride(0), z2.stride(0), float(eps),
         D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, num_warps=num_warps)
     return y, rstd
 
@@ -186,7 +186,8 @@ def gated_rms_norm_bwd(dy, x, z, weight, rstd, eps):
         has_rstd = rstd is not None
         rstd = rstd.reshape(-1) if has_rstd else x2     # x2 stands in for an absent pointer
         _norm_bwd_kernel[(NB,)](
-            dy2, x2, z2, weight, rstd, dx, dz, dw_part, M, NB, dy2.stride(0), x2.stride(0), z2.stride(0), eps,
+            dy2, x2, z2, weight.contiguous(), rstd, dx, dz, dw_part, M, NB, dy2.stride(0), x2.stride(0),
+            z2.stride(0), float(eps),
             D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, HAS_RSTD=has_rstd,
             num_warps=num_warps)
     return dx, dz, dw_part.sum(0).to(weight.dtype)
