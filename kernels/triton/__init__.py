@@ -1,7 +1,8 @@
 """Our own Triton kernels for the GatedDeltaNet data path around the chunk kernel.
 
 One file per operation (forward kernel, backward kernel, launchers, autograd): ``conv.py`` (varlen
-causal conv1d + SiLU with conv states), ``gate.py`` (``g``, ``beta``), ``norm.py`` (gated RMSNorm).
+causal conv1d + SiLU with conv states), ``gate.py`` (``g``, ``beta``), ``norm.py`` (gated RMSNorm);
+``_math.py`` holds the portable elementwise helpers they share (sigmoid, softplus, bf16 rounding).
 Every length- or count-derived argument is a runtime argument (``do_not_specialize``), never a
 ``tl.constexpr`` or an autotune key, so a new packed layout compiles nothing; block sizes depend on
 channel / head dims only. They run under ``TRITON_INTERPRET=1`` (the CPU tests) and use no

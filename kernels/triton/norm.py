@@ -1,0 +1,213 @@
+"""Gated RMSNorm in Triton: ``y = weight * rmsnorm(x) * silu(z)`` over the last dim ``D``.
+
+Contract: ``kernels/reference.py::gated_rms_norm`` (transformers' ``Qwen3NextRMSNormGated``), with its
+rounding order: ``x * rsqrt(mean(x^2) + eps)`` in the compute dtype (fp32; float64 for float64 x),
+rounded to x's dtype; times ``weight`` in ``promote(weight, x)`` dtype; times ``silu(z)`` in the compute
+dtype; rounded to x's dtype.
+
+Shapes: ``x, z: [..., D]`` (same shape, ``stride(-1) == 1``), ``D <= 1024`` (any value: the block is
+``next_power_of_2(D)`` wide and masked); ``weight: [D]``. Leading dims are flattened to ``M`` rows by a
+view when the strides allow (rows of a wider buffer are read in place), else by a copy. The kernels
+walk tiles of ``BLOCK_M`` rows by the whole ``D``; the grid is one axis. ``N`` (the row count, M), the
+program count ``NB`` and the row strides are runtime arguments (``do_not_specialize``): a new token
+count or packing compiles nothing. Block sizes depend on ``D`` only; one fixed config, no autotune.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._math import cast_rne, compute_tl_dtype, rne, sigmoid, tl_dtype
+
+MAX_D = 1024
+# Elements per tile (BLOCK_M * BLOCK_D); read at call time so tests can shrink it to force many tiles.
+_TILE = 4096
+# Backward grid cap: bounds the [NB, D] partial dweight buffer; each program then loops over tiles.
+_MAX_PROGRAMS = 1024
+
+
+def _blocks(D: int) -> tuple[int, int, int]:
+    BLOCK_D = triton.next_power_of_2(D)
+    return max(1, _TILE // BLOCK_D), BLOCK_D, (4 if BLOCK_D <= 256 else 8)
+
+
+@triton.jit
+def _forward_terms(xv, wv, rstd, x_ty: tl.constexpr, P_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr):
+    """``xhat``, ``t = round_x(xhat)`` and ``h = round_P(weight * t)``, all in the compute dtype."""
+    xhat = xv * rstd[:, None]
+    t = rne(xhat, x_ty)
+    h = rne(wv[None, :] * t, P_DTYPE)
+    return xhat, t, h
+
+
+@triton.jit
+def _rstd(xv, eps, D: tl.constexpr):
+    return 1.0 / tl.sqrt(tl.sum(xv * xv, 1) / D + eps)
+
+
+@triton.jit(do_not_specialize=["N", "stride_x", "stride_z"])
+def _norm_fwd_kernel(x, z, w, y, rstd, N, stride_x, stride_z, eps,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK_M),)``; program i normalises rows ``[i*BLOCK_M, (i+1)*BLOCK_M)``.
+
+    Writes y (contiguous ``[N, D]``) and rstd ``[N]`` (compute dtype) for those rows.
+    """
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    m_r = rows < N
+    m_c = cols < D
+    mask = m_r[:, None] & m_c[None, :]
+    xv = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+    zv = tl.load(z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+    wv = tl.load(w + cols, mask=m_c, other=0.0).to(C_DTYPE)
+    r = _rstd(xv, eps, D)
+    _, _, h = _forward_terms(xv, wv, r, x.dtype.element_ty, P_DTYPE, C_DTYPE)
+    out = h * (zv * sigmoid(zv))
+    tl.store(y + rows[:, None] * D + cols[None, :], cast_rne(out, y.dtype.element_ty), mask=mask)
+    tl.store(rstd + rows, r.to(rstd.dtype.element_ty), mask=m_r)
+
+
+@triton.jit(do_not_specialize=["N", "NB", "stride_dy", "stride_x", "stride_z"])
+def _norm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_part, N, NB, stride_dy, stride_x, stride_z, eps,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_RSTD: tl.constexpr):
+    """Grid ``(NB,)``; program p takes row tiles p, p + NB, p + 2 NB, ... of ``BLOCK_M`` rows.
+
+    Writes dx, dz (contiguous ``[N, D]``) of its rows and row p of ``dw_part [NB, D]`` (compute dtype),
+    the sum over its rows of ``dy * silu(z) * round_x(xhat)``. Without a saved rstd it recomputes it.
+    """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    m_c = cols < D
+    wv = tl.load(w + cols, mask=m_c, other=0.0).to(C_DTYPE)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=C_DTYPE)
+    for start in range(pid * BLOCK_M, N, NB * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+        m_r = rows < N
+        mask = m_r[:, None] & m_c[None, :]
+        xv = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        zv = tl.load(z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        dyv = tl.load(dy + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        if HAS_RSTD:
+            r = tl.load(rstd + rows, mask=m_r, other=0.0).to(C_DTYPE)
+        else:
+            r = _rstd(xv, eps, D)
+        xhat, t, h = _forward_terms(xv, wv, r, x.dtype.element_ty, P_DTYPE, C_DTYPE)
+        sig = sigmoid(zv)
+        dzv = dyv * h * sig * (1.0 + zv * (1.0 - sig))
+        # grads rounded where the reference's autograd rounds them (to the dtype of the tensor they
+        # belong to): h lives in P, round_x(xhat) in x's dtype
+        dh = rne(dyv * (zv * sig), P_DTYPE)
+        acc += rne(dh * t, P_DTYPE)
+        dxhat = rne(dh * wv[None, :], x.dtype.element_ty)
+        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (dxhat - xhat * mean(dxhat * xhat)); eps cancels
+        dxv = (dxhat - xhat * (tl.sum(dxhat * xhat, 1) / D)[:, None]) * r[:, None]
+        off = rows[:, None] * D + cols[None, :]
+        tl.store(dx + off, cast_rne(dxv, dx.dtype.element_ty), mask=mask)
+        tl.store(dz + off, cast_rne(dzv, dz.dtype.element_ty), mask=mask)
+    tl.store(dw_part + pid * D + cols, tl.sum(acc, 0), mask=m_c)
+
+
+def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
+    """``[..., D]`` as ``[M, D]`` with a row stride: a view when the strides allow, else a copy."""
+    t2 = t.reshape(-1, D)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _dtypes(x, weight):
+    return compute_tl_dtype(x), tl_dtype(torch.promote_types(weight.dtype, x.dtype))
+
+
+def _check_d(D: int) -> None:
+    if not 1 <= D <= MAX_D:
+        raise ValueError(f"gated_rms_norm: x.shape[-1] (D) must be in [1, {MAX_D}] for the Triton kernel, got {D}")
+
+
+def gated_rms_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(y, rstd)``; inputs already validated (same shape, ``stride(-1) == 1``, ``weight: [D]``).
+
+    Args:
+        x, z: ``[..., D]`` with ``D <= 1024``, any leading dims and row strides. weight: ``[D]``.
+        eps: added to ``mean(x^2)``.
+
+    Returns:
+        y ``[..., D]`` contiguous in x's dtype; rstd ``x.shape[:-1]`` in the compute dtype (fp32, or
+        float64 for float64 x), ``1 / sqrt(mean(x^2) + eps)``.
+
+    Raises:
+        ValueError: D outside ``[1, 1024]``.
+    """
+    D = x.shape[-1]
+    _check_d(D)
+    c_dt, p_dt = _dtypes(x, weight)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float64 if c_dt == tl.float64 else torch.float32,
+                       device=x.device)
+    M = rstd.numel()
+    if M == 0:
+        return y, rstd
+    x2, z2 = _rows(x, D), _rows(z, D)
+    BLOCK_M, BLOCK_D, num_warps = _blocks(D)
+    _norm_fwd_kernel[(triton.cdiv(M, BLOCK_M),)](
+        x2, z2, weight.contiguous(), y, rstd, M, x2.stride(0), z2.stride(0), float(eps),
+        D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, num_warps=num_warps)
+    return y, rstd
+
+
+def gated_rms_norm_bwd(dy, x, z, weight, rstd, eps):
+    """Gradients of ``gated_rms_norm_fwd``: ``(dx, dz, dweight)``.
+
+    Args:
+        dy: ``[..., D]`` grad of y (any strides). x, z, weight, eps: the forward's inputs.
+        rstd: the forward's rstd, or None to recompute it from x and eps.
+
+    Returns:
+        dx ``[..., D]`` in x's dtype, dz in z's dtype (both contiguous), dweight ``[D]`` in weight's
+        dtype: per-program partial sums over the M rows (compute dtype) added by ``torch.sum`` in a
+        fixed order: deterministic, no atomics.
+
+    Raises:
+        ValueError: D outside ``[1, 1024]``.
+    """
+    D = x.shape[-1]
+    _check_d(D)
+    c_dt, p_dt = _dtypes(x, weight)
+    acc_dtype = torch.float64 if c_dt == tl.float64 else torch.float32
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    M = x.numel() // D
+    BLOCK_M, BLOCK_D, num_warps = _blocks(D)
+    NB = min(triton.cdiv(M, BLOCK_M), _MAX_PROGRAMS)
+    dw_part = torch.empty(NB, D, dtype=acc_dtype, device=x.device)
+    if NB > 0:
+        x2, z2, dy2 = _rows(x, D), _rows(z, D), _rows(dy, D)
+        has_rstd = rstd is not None
+        rstd = rstd.reshape(-1) if has_rstd else x2     # x2 stands in for an absent pointer
+        _norm_bwd_kernel[(NB,)](
+            dy2, x2, z2, weight.contiguous(), rstd, dx, dz, dw_part, M, NB, dy2.stride(0), x2.stride(0),
+            z2.stride(0), float(eps),
+            D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, HAS_RSTD=has_rstd,
+            num_warps=num_warps)
+    return dx, dz, dw_part.sum(0).to(weight.dtype)
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, z, weight, eps):
+        y, rstd = gated_rms_norm_fwd(x, z, weight, eps)
+        ctx.save_for_backward(x, z, weight, rstd)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, weight, rstd = ctx.saved_tensors
+        dx, dz, dweight = gated_rms_norm_bwd(dy, x, z, weight, rstd, ctx.eps)
+        return dx, dz, dweight, None
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Differentiable ``y = weight * rmsnorm(x) * silu(z)`` (``gated_rms_norm_fwd`` / ``_bwd``; same shapes)."""
+    return _GatedRMSNorm.apply(x, z, weight, eps)
