@@ -10,9 +10,10 @@ if __name__ == "gdn_layer.kernels":
     from .api import causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, gdn_gate, recurrent_gated_delta_rule
     from .registry import Backend, available_backends, register_backend, resolve_backend
     from .validation import check_cu_seqlens, set_validation, validation_enabled
+    from .warmup import warmup
 
     __all__ = [
         "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d", "gated_rms_norm", "gdn_gate",
         "Backend", "available_backends", "register_backend", "resolve_backend",
-        "check_cu_seqlens", "set_validation", "validation_enabled",
+        "check_cu_seqlens", "set_validation", "validation_enabled", "warmup",
     ]

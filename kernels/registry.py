@@ -102,3 +102,16 @@ register_backend(Backend(
     available=lambda device: (True, ""),
     priority=0,
 ))
+
+
+def _register_accelerator_backends() -> None:
+    """fla and FlashQLA on CUDA (their libraries import lazily, when a CUDA device asks); Ascend only
+    where torch_npu imports."""
+    from . import ascend_backend, fla_backend, flash_qla_backend
+    register_backend(fla_backend.make_backend())
+    register_backend(flash_qla_backend.make_backend())
+    if ascend_backend.torch_npu_importable():
+        register_backend(ascend_backend.make_backend())
+
+
+_register_accelerator_backends()

@@ -1,0 +1,120 @@
+"""``"fla"`` backend: fla-core's Triton chunk kernels (CUDA), our Triton kernels for the rest.
+
+Which kernel runs is decided here, not by fla's dispatcher: we call fla's Triton forward/backward
+functions (``fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_fwd`` / ``_bwd``) directly, so fla's
+backend registry never hands the call to FlashQLA behind our back (``FLA_FLASH_QLA`` does not matter).
+Grouped heads are native (fla's GVA: ``Hv % Hk == 0``, q/k never repeated). The q/k L2 norm is our
+kernel (``triton/l2norm.py``): fla's buckets the row count into a compile-time autotune key.
+
+Backward recomputes the cheap chunk-local parts (gate cumsum, the WY/UT ``A`` matrices, the L2 norm)
+from the inputs instead of keeping them: only the op's inputs are saved for backward.
+
+Costs one device->host read of ``cu_seqlens`` per call (fla sizes its chunk grid on the host).
+fla-core is imported lazily: this module imports anywhere.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import reference
+from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_bwd, l2norm_fwd, norm_bwd, norm_fwd
+
+CHUNK = 64
+
+
+@functools.lru_cache(maxsize=None)
+def fla_importable() -> tuple[bool, str]:
+    try:
+        import fla.ops.gated_delta_rule.chunk  # noqa: F401
+        import fla.ops.gated_delta_rule.fused_recurrent  # noqa: F401
+    except Exception as e:  # ImportError, or a Triton / driver error at import
+        return False, f"fla-core does not import ({type(e).__name__}: {e})"
+    return True, ""
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, "fla's kernels run on CUDA devices only"
+    return fla_importable()
+
+
+def _varlen(cu):
+    """fla's chunk index for packed sequences (one host read of ``cu``), or None for a dense batch."""
+    if cu is None:
+        return None
+    from fla.ops.utils.index import prepare_chunk_indices
+    return prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu.cpu())
+
+
+def _prep(q, k, v, beta, use_qk_l2norm):
+    if use_qk_l2norm:
+        q, k = l2norm_fwd(q), l2norm_fwd(k)
+    return q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
+
+
+def _state(initial_state):
+    return None if initial_state is None else initial_state.float().contiguous()
+
+
+def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
+              use_qk_l2norm=False):
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    qn, kn, v, beta = _prep(q, k, v, beta, use_qk_l2norm)
+    _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
+        q=qn, k=kn, v=v, g=g.float().contiguous(), beta=beta, scale=scale, initial_state=_state(initial_state),
+        output_final_state=output_final_state, cu_seqlens=cu, chunk_indices=_varlen(cu), chunk_size=CHUNK)
+    return o, final
+
+
+def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+    qn, kn, v, beta = _prep(q, k, v, beta, use_qk_l2norm)
+    ci = _varlen(cu)
+    g_cum = chunk_local_cumsum(g.float().contiguous(), chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu,
+                               chunk_indices=ci)
+    _, _, A = chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=beta, cu_seqlens=cu, chunk_indices=ci,
+                                               chunk_size=CHUNK)
+    dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
+        q=qn, k=kn, v=v, g=g_cum, beta=beta, A=A, scale=scale, initial_state=_state(initial_state),
+        do=do.contiguous(), dht=None if dfinal is None else dfinal.float().contiguous(), cu_seqlens=cu,
+        chunk_indices=ci, chunk_size=CHUNK)
+    if use_qk_l2norm:
+        dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
+    return dq, dk, dv, dg, db, dh0
+
+
+def recurrent_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
+                  use_qk_l2norm=False):
+    from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd
+    return fused_recurrent_gated_delta_rule_fwd(
+        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.float().contiguous(), beta=beta.contiguous(),
+        scale=scale, initial_state=_state(initial_state), output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu)
+
+
+def recurrent_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
+    """fla's fused recurrent kernel has no backward: gradients of the torch reference (decode-sized inputs)."""
+    from .ops import _vjp
+    out_state = dfinal is not None
+
+    def f(q, k, v, g, beta, h0):
+        o, fin = reference.recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                                      output_final_state=out_state, cu=cu,
+                                                      use_qk_l2norm=use_qk_l2norm)
+        return (o, fin) if out_state else (o,)
+
+    return _vjp(f, (q, k, v, g, beta, initial_state), (do, dfinal)[:1 + out_state])
+
+
+def make_backend():
+    from .registry import Backend
+    return Backend(
+        name="fla", chunk_gated_delta_rule=chunk_fwd, recurrent_gated_delta_rule=recurrent_fwd,
+        causal_conv1d=conv_fwd, gated_rms_norm=norm_fwd, available=available, priority=10,
+        gdn_gate=gate_fwd, chunk_gated_delta_rule_bwd=chunk_bwd, recurrent_gated_delta_rule_bwd=recurrent_bwd,
+        causal_conv1d_bwd=conv_bwd, gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd)

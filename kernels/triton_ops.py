@@ -1,0 +1,57 @@
+"""Our Triton kernels (``kernels/triton/``) behind the registry's call signatures, imported lazily.
+
+Shared by the CUDA backends (``"fla"``, ``"flash_qla"``) and the Ascend one: conv, gate, gated RMSNorm
+and the q/k L2 norm never go through fla's modules (which re-autotune on length buckets). Until the
+varlen conv kernel is present, the conv falls back to the torch reference (gradients by vjp).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from . import reference
+
+HAS_TRITON_CONV = importlib.util.find_spec(__package__ + ".triton.conv") is not None
+
+
+def l2norm_fwd(x):
+    from .triton.l2norm import l2norm_fwd as f
+    return f(x)
+
+
+def l2norm_bwd(x, dy):
+    from .triton.l2norm import l2norm_bwd as f
+    return f(x, dy)
+
+
+def gate_fwd(a, b, A_log, dt_bias):
+    from .triton.gate import gdn_gate_fwd
+    return gdn_gate_fwd(a, b, A_log, dt_bias)
+
+
+def gate_bwd(dg, dbeta, a, b, A_log, dt_bias):
+    from .triton.gate import gdn_gate_bwd
+    return gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias)
+
+
+def norm_fwd(x, z, weight, eps=1e-6):
+    from .triton.norm import gated_rms_norm_fwd
+    return gated_rms_norm_fwd(x, z, weight, eps)[0]
+
+
+def norm_bwd(dy, x, z, weight, eps=1e-6):
+    from .triton.norm import gated_rms_norm_bwd
+    return gated_rms_norm_bwd(dy, x, z, weight, None, eps)
+
+
+def _conv_fwd(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
+    from .triton.conv import causal_conv1d_fwd
+    return causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state)
+
+
+def _conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):
+    from .triton.conv import causal_conv1d_bwd
+    return causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation)
+
+
+conv_fwd = _conv_fwd if HAS_TRITON_CONV else reference.causal_conv1d
+conv_bwd = _conv_bwd if HAS_TRITON_CONV else None

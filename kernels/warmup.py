@@ -1,0 +1,70 @@
+"""``warmup(layer)``: compile every kernel variant a layer configuration can need, before training.
+
+Our kernels and the chunk libraries specialise only on head counts, head dims, dtypes and a few flags,
+never on lengths or sequence counts; so one small run per flag combination builds everything, and a
+later packed layout of any total length and count compiles nothing (``examples/compile_check.py``
+shows it on a GPU; ``tests/test_triton_compile.py`` on CPU with Triton's real compiler).
+
+The flag combinations: packed (``cu_seqlens``) and dense ``[B, T]`` inputs; with and without an
+initial state and a returned state; the decode path (one token per sequence, the recurrent kernel);
+each forward and backward. Triton's (and tilelang's) disk caches make a second process start warm.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True) -> float:
+    """Run ``layer`` forward and backward over small inputs that cover every kernel variant.
+
+    Args:
+        layer: a ``gdn_layer.GatedDeltaNet`` (under SP every rank of its group must call this too: it
+            runs the layer's collectives).
+        dtype: activation dtype to build for (default: the layer's parameter dtype).
+        include_decode: also build the decode path (one token per sequence).
+
+    Returns:
+        seconds spent. Parameter ``.grad`` fields are left untouched (gradients are taken with
+        ``torch.autograd.grad``).
+    """
+    from gdn_layer.state import GDNState  # the layer's own state type; imported here to keep kernels/ standalone
+
+    p = next(layer.parameters())
+    device, dtype = p.device, dtype or p.dtype
+    P = layer.sp_size
+    params = [q for q in layer.parameters() if q.requires_grad]
+    t0 = time.perf_counter()
+
+    def state(n):
+        return GDNState(torch.randn(n, layer.conv_dim, layer.conv_kernel_size - 1, device=device),
+                        torch.randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device) * 0.1)
+
+    def run(x, cu, st, out_state, grad=True):
+        x = x.requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            res = layer(x, cu_seqlens=cu, state=st, output_state=out_state)
+            y, new = (res if out_state else (res, None))
+            if grad:
+                loss = y.float().square().mean() + (0 if new is None else new.recurrent_state.square().mean())
+                torch.autograd.grad(loss, [x, *params], allow_unused=True)
+
+    T = 2 * 64 * P                                         # two chunks per rank, a boundary mid-chunk
+    cu = torch.tensor([0, 37 * P, T], dtype=torch.int64, device=device)
+    local = T // P
+    for st, out_state in ((None, False), (None, True), ("given", True), ("given", False)):
+        x = torch.randn(1, local, layer.hidden_size, device=device, dtype=dtype)
+        run(x, cu, state(2) if st else None, out_state)
+        xb = torch.randn(2, local, layer.hidden_size, device=device, dtype=dtype)   # dense batch
+        run(xb, None, state(2) if st else None, out_state)
+    if include_decode and P == 1:  # decode is one token per sequence: T = N is not split across ranks
+        n = 3
+        x = torch.randn(1, n, layer.hidden_size, device=device, dtype=dtype)
+        dcu = torch.arange(n + 1, device=device)
+        for grad in (False, True):
+            run(x.clone(), dcu, state(n), True, grad=grad)
+            run(x.clone(), dcu, state(n), False, grad=grad)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
