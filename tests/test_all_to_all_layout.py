@@ -4,6 +4,11 @@ collective). Values and gradients are checked against plain indexing in float64,
 over gloo with the layer's own ``_feature_index``."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -220,3 +225,21 @@ def test_layer_index_matches_indexing_without_index_put_or_gather(pool, replicat
 @pytest.mark.parametrize("B", [1, 2])
 def test_head_to_seq_copies_once_per_direction_and_leaves_the_gradient(pool, B):
     pool.run(_check_head_to_seq_copies_once_and_leaves_the_gradient, B)
+
+
+def test_bench_script_runs_on_cpu_under_torchrun(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(root, "examples", "bench_all_to_all.py"), "--device", "cpu", "--dtype", "float32",
+           "--seq-lens", "64", "128", "--hidden", "32", "--k-heads", "2", "--v-heads", "4", "--head-dim", "8",
+           "--iters", "2", "--warmup", "1", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| 128 |" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["T"] for r in rows] == [64, 128]
+    # the send buffer of seq_to_head: T/P tokens x all 2*Hk*Dk + Hv*Dv + 2*Hv features, 4 bytes each
+    assert rows[0]["s2h_mb"] == pytest.approx(32 * (2 * 2 * 8 + 4 * 8 + 2 * 4) * 4 / 1e6)
+    assert all(r[k] > 0 for r in rows for k in ("s2h_fwd", "s2h_fwd_bwd", "s2h_raw", "h2s_fwd", "h2s_fwd_bwd"))
