@@ -78,7 +78,7 @@ class _HeadToSeq(torch.autograd.Function):
         B, T_local, _ = grad.shape
         P = ctx.size
         send = grad.new_empty(P, T_local, B, grad.shape[2] // P)
-        send.copy_(grad.view(B, T_local, P, -1).permute(2, 1, 0, 3))
+        send.copy_(grad.unflatten(2, (P, -1)).permute(2, 1, 0, 3))
         back = _exchange(send, ctx.group)               # block s: my features of rank s's tokens
         return back.view(P * T_local, B, -1).transpose(0, 1), None, None
 

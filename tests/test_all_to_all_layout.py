@@ -208,6 +208,10 @@ def _check_head_to_seq_copies_once_and_leaves_the_gradient(rank, P, B):
     # AccumulateGrad then copies it into x's strides, which is autograd's, not ours
     if B == 1:
         assert "aten.copy_.default" not in bwd.ops[at:], bwd.ops
+    # a broadcast (stride-0) gradient, as from .sum(), goes through as well
+    x2 = x.detach().clone().requires_grad_()
+    head_to_seq(x2, dist.group.WORLD).sum().backward()
+    torch.testing.assert_close(x2.grad, torch.ones_like(x2), rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
