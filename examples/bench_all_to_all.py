@@ -1,0 +1,165 @@
+"""Ulysses all-to-all pair vs a raw ``all_to_all_single`` of the same bytes, at the layer's own buffers.
+
+``seq_to_head`` moves the layer's packed ``[q | k | v | a | b]`` buffer ``[1, T/P, 2*Hk*Dk + Hv*Dv + 2*Hv]``
+with the layer's real ``_feature_index``; ``head_to_seq`` moves the kernel output ``[1, T, Hv/P * Dv]``.
+Each is timed forward alone and forward + backward, next to one ``all_to_all_single`` of a buffer of
+the same size (what the collective alone costs). Median of ``--iters`` after ``--warmup``; CUDA events
+on GPU, ``perf_counter`` on CPU; every iteration starts after a sync of all ranks, and the table gives
+the slowest rank's median. Rank 0 prints a markdown table (and ``--json`` writes it).
+
+    torchrun --nproc_per_node=2 examples/bench_all_to_all.py --device cuda --dtype bfloat16 --seq-lens 65536 131072
+    torchrun --nproc_per_node=2 examples/bench_all_to_all.py --device cpu --dtype float32 --seq-lens 256 \\
+        --hidden 64 --k-heads 2 --v-heads 4 --head-dim 16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from gdn_layer import GatedDeltaNet
+from gdn_layer.parallel import head_to_seq, seq_to_head
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 131072], help="global packed T")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--k-heads", type=int, default=16)
+    p.add_argument("--v-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", help="rank 0 also writes the rows here")
+    return p.parse_args(argv)
+
+
+class Timer:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup``, the slowest rank's."""
+
+    def __init__(self, device, group, iters, warmup):
+        self.device, self.group, self.iters, self.warmup = device, group, iters, warmup
+        self.flag = torch.zeros(1, device=device)
+
+    def _sync(self):
+        # every rank starts the timed call together: an all-reduce, then wait for the device
+        dist.all_reduce(self.flag, group=self.group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            self._sync()
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+        worst = torch.tensor([statistics.median(times)], device=self.device, dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
+        return float(worst)
+
+
+def raw_all_to_all(numel, dtype, device, group):
+    """One all_to_all_single of a contiguous buffer of ``numel`` elements (split equally)."""
+    send = torch.randn(numel, device=device).to(dtype)
+    recv = torch.empty_like(send)
+    return lambda: dist.all_to_all_single(recv, send, group=group)
+
+
+def bench_one(T, args, feature_index, F, F_local, timer, group):
+    P, device, dtype = dist.get_world_size(group), timer.device, getattr(torch, args.dtype)
+    T_local = T // P
+    # seq_to_head on the layer's packed buffer
+    x = torch.randn(1, T_local, F, device=device, dtype=dtype, requires_grad=True)
+    gy = torch.randn(1, T, feature_index.shape[1], device=device, dtype=dtype)
+
+    def s2h_fwd():
+        seq_to_head(x, feature_index, group)
+
+    def s2h_fwd_bwd():
+        x.grad = None
+        seq_to_head(x, feature_index, group).backward(gy)
+
+    s2h_bytes = P * T_local * feature_index.shape[1] * x.element_size()   # send buffer of one rank
+    row = dict(T=T, s2h_fwd=timer(s2h_fwd), s2h_fwd_bwd=timer(s2h_fwd_bwd),
+               s2h_raw=timer(raw_all_to_all(s2h_bytes // x.element_size(), dtype, device, group)),
+               s2h_mb=s2h_bytes / 1e6)
+    del x, gy
+    # head_to_seq on the kernel output of this rank's value heads
+    o = torch.randn(1, T, F_local, device=device, dtype=dtype, requires_grad=True)
+    go = torch.randn(1, T_local, P * F_local, device=device, dtype=dtype)
+
+    def h2s_fwd():
+        head_to_seq(o, group)
+
+    def h2s_fwd_bwd():
+        o.grad = None
+        head_to_seq(o, group).backward(go)
+
+    row.update(h2s_fwd=timer(h2s_fwd), h2s_fwd_bwd=timer(h2s_fwd_bwd),
+               h2s_raw=timer(raw_all_to_all(o.numel(), dtype, device, group)),
+               h2s_mb=o.numel() * o.element_size() / 1e6)
+    return row
+
+
+def fmt(s):
+    return f"{s * 1e3:.2f} ms"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    group = dist.group.WORLD
+    P = dist.get_world_size()
+    layer = GatedDeltaNet(args.hidden, args.k_heads, args.v_heads, args.head_dim, args.head_dim,
+                          sp_group=group, device=device, dtype=getattr(torch, args.dtype))
+    feature_index = layer._feature_index            # the rows the layer itself sends
+    F = layer.conv_dim + 2 * args.v_heads
+    F_local = layer.heads.v_heads_per_rank * args.head_dim
+    del layer
+    timer = Timer(device, group, args.iters, args.warmup)
+    rows = []
+    for T in args.seq_lens:
+        if T % P:
+            raise ValueError(f"--seq-lens: T = {T} must be divisible by the number of ranks {P}")
+        rows.append(bench_one(T, args, feature_index, F, F_local, timer, group))
+    if dist.get_rank() == 0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"P={P} device={name} dtype={args.dtype} hidden={args.hidden} Hk={args.k_heads} "
+              f"Hv={args.v_heads} D={args.head_dim}; median of {args.iters} after {args.warmup} warm-up, slowest rank")
+        print("| global T | seq_to_head fwd | seq_to_head fwd+bwd | raw a2a of its bytes "
+              "| head_to_seq fwd | head_to_seq fwd+bwd | raw a2a |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['T']} | {fmt(r['s2h_fwd'])} | {fmt(r['s2h_fwd_bwd'])} | {fmt(r['s2h_raw'])} "
+                  f"({r['s2h_mb']:.3g} MB) | {fmt(r['h2s_fwd'])} | {fmt(r['h2s_fwd_bwd'])} | {fmt(r['h2s_raw'])} "
+                  f"({r['h2s_mb']:.3g} MB) |", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(args=vars(args), P=P, device=name, rows=rows), f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

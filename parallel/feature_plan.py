@@ -1,0 +1,236 @@
+"""How ``seq_to_head`` moves features: a host-side plan of contiguous slices, built once per index.
+
+``feature_index [P, F_out]`` says which of the F features rank d receives. In the layer each row is
+the union of a few contiguous ranges (q rows of its k heads, k rows, v rows, a, b), so the send buffer
+can be filled with a handful of strided slice copies instead of a gather, and the backward written
+back with the same slices instead of an accumulating index-put (which, on CUDA, sorts the indices and
+costs ~60x the collective at 64k tokens).
+
+``plan_for(feature_index)`` reads the index on the host once (one device->host copy for a device
+tensor) and caches the plan by tensor identity and version counter, so later calls with the same
+tensor cost no sync. ``pack`` / ``unpack`` run the plan: forward and backward of the send side.
+
+Buffer layout (see ``all_to_all.py`` for why): send / receive ``[P, T_local, B, F_out]``.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+# Rows made of more runs than this are gathered with index_select (and the backward uses index_add_):
+# past a few dozen copies per row, the launches cost more than a gather's index reads.
+MAX_RUNS_PER_ROW = 32
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Rows ``first + i`` (``0 <= i < count``) of the send buffer take, at their features
+    ``[dst, dst + n)``, the source features ``[src + i*step, src + i*step + n)``.
+
+    One copy serves several rows when the ranges advance by a constant ``step`` from row to row
+    (the usual disjoint head blocks: one copy per field for all P ranks)."""
+
+    first: int
+    count: int
+    dst: int
+    src: int
+    step: int
+    n: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Backward, where features repeat: row ``row``'s features ``[dst, dst + n)`` go to source
+    features ``[src, src + n)``, added (``accumulate``) when an earlier piece already wrote there."""
+
+    row: int
+    dst: int
+    src: int
+    n: int
+    accumulate: bool
+
+
+@dataclass(frozen=True)
+class FeaturePlan:
+    """The slices that realise ``x[..., feature_index[d]]`` for every row d.
+
+    ``copies`` is None when some row has more than ``MAX_RUNS_PER_ROW`` runs (then: index_select /
+    index_add_). ``disjoint``: no feature appears twice, so the backward is plain copies.
+    ``covered``: sorted, merged ``[start, stop)`` ranges of the features that appear at all.
+    """
+
+    rows: int
+    width: int
+    lo: int
+    hi: int
+    copies: tuple[Copy, ...] | None
+    disjoint: bool
+    pieces: tuple[Piece, ...]
+    covered: tuple[tuple[int, int], ...]
+
+    def uncovered(self, F: int) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` ranges of ``[0, F)`` that no row reads (their gradient is zero)."""
+        gaps, at = [], 0
+        for start, stop in self.covered:
+            if start > at:
+                gaps.append((at, start))
+            at = stop
+        if at < F:
+            gaps.append((at, F))
+        return gaps
+
+
+def _runs(row: list[int]) -> list[tuple[int, int, int]]:
+    """``(dst, src, n)`` for each maximal run of consecutive increasing indices in ``row``."""
+    runs = []
+    for dst, src in enumerate(row):
+        if runs and src == runs[-1][1] + runs[-1][2]:
+            d, s, n = runs[-1]
+            runs[-1] = (d, s, n + 1)
+        else:
+            runs.append((dst, src, 1))
+    return runs
+
+
+def _group(runs_per_row: list[list[tuple[int, int, int]]]) -> list[Copy]:
+    """Merge run j of consecutive rows into one Copy while ``dst``, ``n`` agree and ``src`` advances by
+    a constant step >= 0 (strides of a view cannot be negative)."""
+    done, open_ = [], {}
+    for d, runs in enumerate(runs_per_row):
+        for j, (dst, src, n) in enumerate(runs):
+            b = open_.get(j)
+            if b is not None and b["first"] + b["count"] == d and b["dst"] == dst and b["n"] == n:
+                step = src - b["src"] if b["count"] == 1 else b["step"]
+                if step >= 0 and src == b["src"] + b["count"] * step:
+                    b["step"], b["count"] = step, b["count"] + 1
+                    continue
+            if b is not None:
+                done.append(Copy(**b))
+            open_[j] = dict(first=d, count=1, dst=dst, src=src, step=0, n=n)
+    done.extend(Copy(**b) for b in open_.values())
+    return done
+
+
+def _pieces(runs_per_row, hi: int) -> list[Piece]:
+    """Backward pieces in row order: the first write to a feature copies, later ones add."""
+    seen = [False] * (hi + 1)
+    out = []
+    for d, runs in enumerate(runs_per_row):
+        for dst, src, n in runs:
+            i = 0
+            while i < n:
+                acc = seen[src + i]
+                j = i
+                while j < n and seen[src + j] == acc:
+                    j += 1
+                out.append(Piece(d, dst + i, src + i, j - i, acc))
+                for k in range(i, j):
+                    seen[src + k] = True
+                i = j
+    return out
+
+
+def build_plan(feature_index: torch.Tensor) -> FeaturePlan:
+    """The plan of a ``[P, F_out]`` int64 index (values read on the host)."""
+    rows = feature_index.detach().cpu().tolist()
+    P, width = len(rows), (len(rows[0]) if rows else 0)
+    flat = [i for row in rows for i in row]
+    if not flat:
+        return FeaturePlan(P, width, 0, -1, (), True, (), ())
+    lo, hi = min(flat), max(flat)
+    distinct = sorted(set(flat))
+    covered = []
+    for i in distinct:
+        if covered and covered[-1][1] == i:
+            covered[-1][1] = i + 1
+        else:
+            covered.append([i, i + 1])
+    covered = tuple((a, b) for a, b in covered)
+    if lo < 0:       # caller raises with the F it knows; nothing else is valid to build
+        return FeaturePlan(P, width, lo, hi, None, False, (), covered)
+    runs_per_row = [_runs(row) for row in rows]
+    disjoint = len(distinct) == len(flat)
+    if max(len(r) for r in runs_per_row) > MAX_RUNS_PER_ROW:
+        return FeaturePlan(P, width, lo, hi, None, disjoint, (), covered)
+    pieces = () if disjoint else tuple(_pieces(runs_per_row, hi))
+    return FeaturePlan(P, width, lo, hi, tuple(_group(runs_per_row)), disjoint, pieces, covered)
+
+
+# id(tensor) -> (weakref to it, its version counter when planned, plan); entries leave with the tensor
+_PLANS: dict[int, tuple] = {}
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:   # inference tensors keep no version counter; they are planned once
+        return None
+
+
+def plan_for(feature_index: torch.Tensor) -> FeaturePlan:
+    """The cached plan of ``feature_index``; rebuilt (one host read) after an in-place change."""
+    key = id(feature_index)
+    hit = _PLANS.get(key)
+    version = _version(feature_index)
+    if hit is not None and hit[0]() is feature_index and hit[1] == version:
+        return hit[2]
+    plan = build_plan(feature_index)
+
+    def forget(_ref, key=key):
+        entry = _PLANS.get(key)
+        if entry is not None and entry[0] is _ref:
+            del _PLANS[key]
+
+    _PLANS[key] = (weakref.ref(feature_index, forget), version, plan)
+    return plan
+
+
+def _rows_view(x: torch.Tensor, c: Copy) -> torch.Tensor:
+    """``[count, B, T_local, n]`` view of ``x [B, T_local, F]``: entry i is ``x[..., src+i*step :][:n]``."""
+    B, T, _ = x.shape
+    sB, sT, sF = x.stride()
+    return x.as_strided((c.count, B, T, c.n), (c.step * sF, sB, sT, sF), x.storage_offset() + c.src * sF)
+
+
+def pack(x: torch.Tensor, plan: FeaturePlan, feature_index: torch.Tensor, send: torch.Tensor) -> None:
+    """Fill ``send [P, T_local, B, F_out]`` with ``send[d, t, b, :] = x[b, t, feature_index[d]]``."""
+    if plan.copies is None:
+        xt = x.transpose(0, 1)
+        for d in range(plan.rows):
+            torch.index_select(xt, 2, feature_index[d], out=send[d])
+        return
+    for c in plan.copies:
+        dst = send[c.first:c.first + c.count, :, :, c.dst:c.dst + c.n].transpose(1, 2)
+        dst.copy_(_rows_view(x, c))
+
+
+def unpack(grad: torch.Tensor, plan: FeaturePlan, feature_index: torch.Tensor, F: int) -> torch.Tensor:
+    """The adjoint of ``pack``: ``[B, T_local, F]`` from ``grad [P, T_local, B, F_out]``, summing over
+    every (row, position) that read a feature; zero where no row did. ``grad`` is only read."""
+    P, T, B, _ = grad.shape
+    if plan.copies is None:
+        out = grad.new_zeros(B, T, F)
+        for d in range(P):
+            out.index_add_(2, feature_index[d], grad[d].transpose(0, 1))
+        return out
+    out = grad.new_empty(B, T, F)
+    for start, stop in plan.uncovered(F):
+        out[..., start:stop].zero_()
+    if plan.disjoint:
+        # no feature is read twice: the copies write disjoint slices of out
+        for c in plan.copies:
+            _rows_view(out, c).copy_(grad[c.first:c.first + c.count, :, :, c.dst:c.dst + c.n].transpose(1, 2))
+        return out
+    for p in plan.pieces:
+        dst = out[..., p.src:p.src + p.n]
+        src = grad[p.row, :, :, p.dst:p.dst + p.n].transpose(0, 1)
+        if p.accumulate:
+            dst.add_(src)
+        else:
+            dst.copy_(src)
+    return out
+
+
+__all__ = ["FeaturePlan", "build_plan", "plan_for", "pack", "unpack", "MAX_RUNS_PER_ROW"]

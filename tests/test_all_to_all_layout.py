@@ -1,0 +1,249 @@
+"""How the all-to-all pair moves bytes: slice copies instead of a gather, the receive buffer returned as a
+view, and a backward without any accumulating index-put (issue 13: on CUDA that index-put cost 60x the
+collective). Values and gradients are checked against plain indexing in float64, single process and
+over gloo with the layer's own ``_feature_index``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dist_utils import DistributedPool
+from gdn_layer import GatedDeltaNet
+from gdn_layer.parallel import head_to_seq, partition_heads, seq_to_head
+from gdn_layer.parallel.feature_plan import MAX_RUNS_PER_ROW, build_plan, plan_for
+
+# an accumulating index-put is what x[..., idx]'s backward runs; a gather is what x[..., idx] runs
+INDEX_PUT = {"aten.index_put.default", "aten.index_put_.default", "aten._index_put_impl_.default"}
+GATHER = {"aten.index.Tensor", "aten.index_select.default", "aten.index_select.out", "aten.gather.default",
+          "aten.take.default"}
+INDEX_ADD = {"aten.index_add_.default", "aten.index_add.default"}
+
+
+class OpLog(TorchDispatchMode):
+    """Records the name of every aten op dispatched while active (forward and autograd's backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _rand(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _head_index(Hk, Hv, P, Dk, Dv):
+    """The layer's rows (docs/ulysses.md): ``[q rows of its k heads | k rows | v rows | a | b]`` over
+    ``[q_all | k_all | v_all | a | b]``."""
+    hp = partition_heads(Hk, Hv, P)
+    key_dim, conv_dim = Hk * Dk, 2 * Hk * Dk + Hv * Dv
+    rows = []
+    for d in range(P):
+        qk = [h * Dk + i for h in hp.k_heads(d) for i in range(Dk)]
+        v = [2 * key_dim + h * Dv + i for h in hp.v_heads(d) for i in range(Dv)]
+        vh = list(hp.v_heads(d))
+        rows.append(qk + [key_dim + i for i in qk] + v + [conv_dim + h for h in vh] + [conv_dim + Hv + h for h in vh])
+    return torch.tensor(rows), conv_dim + 2 * Hv
+
+
+def _fragmented(F, width, seed):
+    """One row of ``width`` distinct random features: far more runs than MAX_RUNS_PER_ROW."""
+    return torch.randperm(F, generator=torch.Generator().manual_seed(seed))[:width].view(1, width)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the plan: what the host decides once per feature_index
+
+
+def test_disjoint_head_blocks_become_one_copy_per_field_for_all_ranks():
+    idx, _ = _head_index(Hk=4, Hv=8, P=4, Dk=3, Dv=2)
+    plan = build_plan(idx)
+    assert plan.disjoint and plan.pieces == ()
+    # q, k, v, a, b: each one strided copy that serves the four rows
+    assert len(plan.copies) == 5 and all(c.count == 4 and c.first == 0 for c in plan.copies)
+
+
+def test_replicated_heads_are_added_where_a_second_rank_received_them():
+    idx, F = _head_index(Hk=2, Hv=4, P=4, Dk=3, Dv=2)       # ranks (0, 1) and (2, 3) share a q/k head
+    plan = build_plan(idx)
+    assert not plan.disjoint and plan.copies is not None
+    added = {(p.row, p.src) for p in plan.pieces if p.accumulate}
+    # rows 1 and 3 re-send the q and k rows of the head rows 0 and 2 sent first
+    assert added == {(1, 0), (1, 6), (3, 3), (3, 9)}
+    assert plan.uncovered(F) == []
+
+
+def test_fragmented_rows_are_gathered_instead():
+    assert build_plan(_fragmented(400, 200, seed=0)).copies is None
+    few = torch.tensor([[2 * i for i in range(MAX_RUNS_PER_ROW)]])
+    assert build_plan(few).copies is not None
+
+
+def test_plan_is_cached_per_tensor_and_rebuilt_after_an_in_place_change():
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    plan = plan_for(idx)
+    assert plan_for(idx) is plan
+    assert plan_for(idx.clone()) is not plan
+    idx[1] = torch.tensor([5, 3, 4])
+    assert plan_for(idx) is not plan
+    x = _rand(0, 1, 2, 6)
+    torch.testing.assert_close(seq_to_head(x, idx[:1], None), x[..., [0, 1, 2]], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# one process (no group): the same code path without the collective
+
+INDEXES = {
+    "head_blocks": lambda: _head_index(Hk=2, Hv=4, P=1, Dk=3, Dv=2),
+    "permuted_blocks": lambda: (torch.tensor([[6, 7, 8, 0, 1, 2, 9]]), 11),
+    "repeats_and_gaps": lambda: (torch.tensor([[3, 4, 5, 3, 4, 9, 9, 0]]), 12),
+    "fragmented": lambda: (_fragmented(300, 120, seed=1), 300),
+}
+
+
+@pytest.mark.parametrize("kind", list(INDEXES))
+@pytest.mark.parametrize("B", [1, 3])
+def test_without_group_equals_indexing_in_values_and_gradients(kind, B):
+    idx, F = INDEXES[kind]()
+    # a non-contiguous x: the copies must follow its strides
+    x = _rand(1, 5, B, F).transpose(0, 1).requires_grad_()
+    cot = _rand(2, B, 5, idx.shape[1])
+    y = seq_to_head(x, idx, None)
+    torch.testing.assert_close(y, x.detach()[..., idx[0]], rtol=0, atol=0)
+    (gx,) = torch.autograd.grad((y * cot).sum(), x)
+    ref = torch.zeros(B, 5, F, dtype=torch.float64)
+    for j, f in enumerate(idx[0].tolist()):
+        ref[..., f] += cot[..., j]
+    torch.testing.assert_close(gx, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", list(INDEXES))
+def test_no_accumulating_index_put_and_no_gather_for_ranges(kind):
+    idx, F = INDEXES[kind]()
+    x = _rand(3, 2, 4, F).requires_grad_()
+    plan_for(idx)                                       # the one host read happens outside the log
+    with OpLog() as fwd:
+        y = seq_to_head(x, idx, None)
+    with OpLog() as bwd:
+        y.backward(_rand(4, *y.shape))
+    assert not INDEX_PUT & set(fwd.ops + bwd.ops)
+    if kind != "fragmented":
+        assert not (GATHER | INDEX_ADD) & set(fwd.ops + bwd.ops), fwd.ops + bwd.ops
+
+
+def test_output_is_a_view_of_the_receive_buffer():
+    idx, F = _head_index(Hk=2, Hv=4, P=1, Dk=3, Dv=2)
+    for B in (1, 3):
+        y = seq_to_head(_rand(5, B, 4, F), idx, None)
+        W = idx.shape[1]
+        assert y.untyped_storage().nbytes() == y.numel() * y.element_size()
+        assert y._is_view() and y.stride() == (W, B * W, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# over gloo, with the layer's own feature_index
+
+
+def _layer_index(P, replicated):
+    Hk = P // 2 if replicated else P
+    layer = GatedDeltaNet(16, Hk, 2 * P, 4, 2, sp_group=dist.group.WORLD)
+    idx, F = _head_index(Hk, 2 * P, P, 4, 2)
+    assert torch.equal(layer._feature_index, idx)          # the test's rows are the layer's rows
+    return layer._feature_index, F
+
+
+def _check_layer_index_parity_and_op_log(rank, P, replicated, B):
+    idx, F = _layer_index(P, replicated)
+    TL = 3
+    x_full = _rand(1, B, TL * P, F).requires_grad_()
+    cots = [_rand(100 + r, B, TL * P, idx.shape[1]) for r in range(P)]
+    sum((x_full[..., idx[r]] * cots[r]).sum() for r in range(P)).backward()
+    x = x_full.detach()[:, rank * TL:(rank + 1) * TL].clone().requires_grad_()
+    plan_for(idx)
+    with OpLog() as fwd:
+        out = seq_to_head(x, idx, dist.group.WORLD)
+    torch.testing.assert_close(out, x_full.detach()[..., idx[rank]], rtol=0, atol=0)
+    assert out.untyped_storage().nbytes() == out.numel() * out.element_size()   # the receive buffer itself
+    cot = cots[rank].clone()
+    with OpLog() as bwd:
+        out.backward(cot)
+    torch.testing.assert_close(x.grad, x_full.grad[:, rank * TL:(rank + 1) * TL], rtol=1e-12, atol=1e-12)
+    assert torch.equal(cot, cots[rank])                     # the incoming gradient is left as it was
+    ops = set(fwd.ops + bwd.ops)
+    assert not (INDEX_PUT | GATHER | INDEX_ADD) & ops, sorted(ops)
+    assert any("alltoall" in op for op in fwd.ops) and any("alltoall" in op for op in bwd.ops)
+
+
+def _check_head_to_seq_copies_once_and_leaves_the_gradient(rank, P, B):
+    TL, FL = 3, 5
+    full = _rand(3, B, TL * P, P * FL).requires_grad_()
+    cots = [_rand(200 + r, B, TL, P * FL) for r in range(P)]
+    sum((full[:, r * TL:(r + 1) * TL] * cots[r]).sum() for r in range(P)).backward()
+    x = full.detach()[..., rank * FL:(rank + 1) * FL].clone().requires_grad_()
+    with OpLog() as fwd:
+        out = head_to_seq(x, dist.group.WORLD)
+    torch.testing.assert_close(out, full.detach()[:, rank * TL:(rank + 1) * TL], rtol=0, atol=0)
+    assert out.is_contiguous()
+    cot = cots[rank].clone()
+    with OpLog() as bwd:
+        out.backward(cot)
+    torch.testing.assert_close(x.grad, full.grad[..., rank * FL:(rank + 1) * FL], rtol=0, atol=0)
+    assert torch.equal(cot, cots[rank])
+    # B == 1: the send side is x itself; each direction copies once (the receive / send side of grad)
+    copies = [op for op in fwd.ops if op in ("aten.copy_.default", "aten.clone.default")]
+    assert len(copies) == (1 if B == 1 else 2), fwd.ops
+    at = next(i for i, op in enumerate(bwd.ops) if "alltoall" in op)
+    assert sum(op == "aten.copy_.default" for op in bwd.ops[:at]) == 1, bwd.ops
+    # the gradient leaves as a view of the receive buffer ([T, B, F_local] order); for B > 1 the leaf's
+    # AccumulateGrad then copies it into x's strides, which is autograd's, not ours
+    if B == 1:
+        assert "aten.copy_.default" not in bwd.ops[at:], bwd.ops
+    # a broadcast (stride-0) gradient, as from .sum(), goes through as well
+    x2 = x.detach().clone().requires_grad_()
+    head_to_seq(x2, dist.group.WORLD).sum().backward()
+    torch.testing.assert_close(x2.grad, torch.ones_like(x2), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+def pool(request):
+    with DistributedPool(request.param, timeout=60) as p:
+        yield p
+
+
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("replicated", [False, True], ids=["disjoint", "replicated"])
+def test_layer_index_matches_indexing_without_index_put_or_gather(pool, replicated, B):
+    pool.run(_check_layer_index_parity_and_op_log, replicated, B)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_head_to_seq_copies_once_per_direction_and_leaves_the_gradient(pool, B):
+    pool.run(_check_head_to_seq_copies_once_and_leaves_the_gradient, B)
+
+
+def test_bench_script_runs_on_cpu_under_torchrun(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(root, "examples", "bench_all_to_all.py"), "--device", "cpu", "--dtype", "float32",
+           "--seq-lens", "64", "128", "--hidden", "32", "--k-heads", "2", "--v-heads", "4", "--head-dim", "8",
+           "--iters", "2", "--warmup", "1", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| 128 |" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["T"] for r in rows] == [64, 128]
+    # the send buffer of seq_to_head: T/P tokens x all 2*Hk*Dk + Hv*Dv + 2*Hv features, 4 bytes each
+    assert rows[0]["s2h_mb"] == pytest.approx(32 * (2 * 2 * 8 + 4 * 8 + 2 * 4) * 4 / 1e6)
+    assert all(r[k] > 0 for r in rows for k in ("s2h_fwd", "s2h_fwd_bwd", "s2h_raw", "h2s_fwd", "h2s_fwd_bwd"))
