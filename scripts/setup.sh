@@ -17,3 +17,6 @@ fi
 # torch would pull a multi-GB CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e ".[test,hf,example]"
+# fla-core for tests/test_triton_compile.py only, kept out of the venv's site-packages: installed there,
+# transformers would pick fla's CUDA kernels for its own GatedDeltaNet on this CPU machine.
+[ -d .venv/fla-site/fla ] || .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .venv/fla-site fla-core==0.6.0

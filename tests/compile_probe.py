@@ -1,0 +1,118 @@
+"""Count Triton compiles of the CUDA path over many packed layouts, on a CPU machine (no GPU).
+
+Run as a script (tests/test_triton_compile.py does, in a subprocess): it drops TRITON_INTERPRET, points
+Triton at a fresh cache, installs ``fake_cuda_driver`` (SM90 target, real compiler, no-op launches),
+makes torch.cuda answer fla's import-time questions as an H200 would, and then calls every kernel the
+layer's CUDA backends launch -- our Triton kernels (conv, gate, L2 norm, gated RMSNorm) and fla's chunk
+forward/backward and fused recurrent forward -- with the shapes the layer gives them, for each
+(T, N) layout. Prints one JSON line: compiles at the first layout and after it, per layout.
+
+``--negative-control`` runs a kernel whose T is a ``tl.constexpr`` instead: it must recompile per T
+(this is what the test's "can fail" check relies on).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gdn_compile_probe_")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fake_cuda_driver  # noqa: E402
+
+COMPILED = fake_cuda_driver.install()
+
+import torch  # noqa: E402
+
+
+class _H200Props:
+    name, major, minor, multi_processor_count = "NVIDIA H200", 9, 0, 132
+    shared_memory_per_block_optin, shared_memory_per_block, total_memory = 232448, 49152, 141 << 30
+
+
+def pretend_h200():
+    """fla reads the GPU's name, capability and properties at import; answer as an H200 would."""
+    torch.cuda.get_device_name = lambda *a, **k: _H200Props.name
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    torch.cuda.get_device_properties = lambda *a, **k: _H200Props()
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device_count = lambda: 1
+
+
+def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=True):
+    """Every kernel launch of one layer forward+backward on the fla backend, at packed length T with N
+    sequences (CPU tensors stand in for device memory: nothing is launched)."""
+    from gdn_layer.kernels import fla_backend, triton_ops
+    g = torch.Generator().manual_seed(T * 131 + N)
+    cu = torch.linspace(0, T, N + 1).round().long()
+    C = 2 * Hk * D + Hv * D
+    mixed = torch.randn(1, T, C + 2 * Hv, dtype=dtype, generator=g)     # the all-to-all receive buffer
+    weight = torch.randn(C, W, dtype=dtype, generator=g)
+    h0 = torch.randn(N, C, W - 1)
+    y, fin = triton_ops.conv_fwd(mixed[..., :C], weight, None, "silu", cu, h0, True)
+    if triton_ops.conv_bwd is not None:
+        triton_ops.conv_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, h0)
+    a, b = mixed[..., C:C + Hv], mixed[..., C + Hv:]
+    A_log, dt_bias = torch.randn(Hv), torch.randn(Hv)
+    gate, beta = triton_ops.gate_fwd(a, b, A_log, dt_bias)
+    triton_ops.gate_bwd(gate, beta, a, b, A_log, dt_bias)
+    q = y[..., :Hk * D].unflatten(-1, (Hk, D))
+    k = y[..., Hk * D:2 * Hk * D].unflatten(-1, (Hk, D))
+    v = y[..., 2 * Hk * D:].unflatten(-1, (Hv, D))
+    state = torch.randn(N, Hv, D, D)
+    z = torch.randn(1, T, Hv, D, dtype=dtype, generator=g)
+    if with_fla:
+        o, s = fla_backend.chunk_fwd(q, k, v, gate, beta, D ** -0.5, state, True, cu, True)
+        fla_backend.chunk_bwd(o, s, q, k, v, gate, beta, D ** -0.5, state, cu, True)
+        dcu = torch.arange(N + 1)
+        fla_backend.recurrent_fwd(q[:, :N], k[:, :N], v[:, :N], gate[:, :N], beta[:, :N], D ** -0.5, state, True,
+                                  dcu, True)
+    else:
+        o = v
+        triton_ops.l2norm_bwd(q, triton_ops.l2norm_fwd(q))
+    triton_ops.norm_bwd(o, o, z, torch.ones(D, dtype=dtype), 1e-6)
+    triton_ops.norm_fwd(o, z, torch.ones(D, dtype=dtype), 1e-6)
+
+
+def negative_control(T):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale_kernel(x, T: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x + i, tl.load(x + i, mask=i < T) * 2, mask=i < T)
+
+    x = torch.empty(T)
+    scale_kernel[(triton.cdiv(T, 128),)](x, T, BLOCK=128)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1000, 1025, 2047, 3001, 4096, 5000, 7777, 8192])
+    ap.add_argument("--counts", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17, 33, 64])
+    ap.add_argument("--no-fla", action="store_true", help="only our kernels")
+    ap.add_argument("--negative-control", action="store_true")
+    args = ap.parse_args(argv)
+    pretend_h200()
+    per_layout = []
+    for T, N in itertools.product(args.lengths, args.counts):
+        if N <= T:
+            before = len(COMPILED)
+            if args.negative_control:
+                negative_control(T)
+            else:
+                layer_calls(T, N, with_fla=not args.no_fla)
+            per_layout.append({"T": T, "N": N, "compiles": len(COMPILED) - before})
+    print("RESULT " + json.dumps({"first": per_layout[0]["compiles"],
+                                  "after_first": sum(r["compiles"] for r in per_layout[1:]),
+                                  "layouts": per_layout}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
