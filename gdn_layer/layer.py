@@ -17,6 +17,7 @@ from gdn_layer.state import GDNState, check_state
 
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _positive_int(name: str, value) -> int:
@@ -101,7 +102,7 @@ class GatedDeltaNet(nn.Module):
                                 padding=conv_kernel_size - 1, bias=False, **kw)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads, **kw))
         self.A_log = nn.Parameter(torch.empty(num_v_heads, **kw))
-        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, **kw)
+        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, backend=self._backend, **kw)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
         self._build_head_index(device)
         self.reset_parameters()
@@ -222,12 +223,15 @@ class GatedDeltaNet(nn.Module):
         return cu
 
     def _weights_fingerprint(self) -> torch.Tensor:
-        """The bits of each parameter's float64 sum: equal on every rank iff (almost surely) the weights
-        are. Catches ranks initialised differently, or an optimizer step after a missing
-        ``reduce_sp_grads``, which would otherwise give silently wrong results."""
+        """A digest of every parameter's raw bits: equal on every rank iff (but for a digest collision)
+        the weights are bit-identical. Catches ranks initialised differently, or an optimizer step after
+        a missing ``reduce_sp_grads``, which would otherwise give silently wrong results. Integer sums
+        over the bit patterns, so exact: no summation order or thread count can change it (the float
+        sum it replaces did). Blocks of 2**18 elements bound the temporary memory."""
         with torch.no_grad():
-            sums = torch.stack([p.detach().double().sum() for p in self.parameters()])
-        return sums.cpu().view(torch.int64)
+            bits = (p.detach().reshape(-1).view(_SAME_SIZE_INT.get(p.element_size(), torch.uint8))
+                    for p in self.parameters())
+            return digest_of(*(digest_of(block) for b in bits for block in b.split(1 << 18))).cpu()
 
     def _check_local(self, x, cu_seqlens, state, output_state):
         if not isinstance(x, torch.Tensor):
