@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gdn_layer import GatedDeltaNet
 from gdn_layer.kernels import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule, reference
+from gdn_layer.kernels.varlen import ChunkPlan
 from oracle import naive_gated_delta_rule
 
 
@@ -99,16 +100,23 @@ def test_long_input_inference_memory_grows_with_tokens_times_hidden_only(tmp_pat
 # ------------------------------------------------------------------------------------------------------
 # the layout itself: exact whatever the grouping of chunks
 
-MIXED = [0, 1, 70, 5, 130, 0, 64, 3, 200, 63]  # empty, one-token, chunk-aligned, straddling sequences
+ONE_CHAIN = [0, 1, 70, 5, 130, 0, 64, 3, 200, 63]  # empty, one-token, straddling: no start on a chunk edge
+# sequences that start on chunk edges (with a state, each sequence has 16 more rows: Dk virtual tokens),
+# so chunks form 7 or more chains side by side, with 2 sequences in one chunk and an empty one
+MANY_CHAINS = {False: [128, 64, 192, 0, 64, 20, 44, 128, 70, 58, 64], True: [112, 48, 176, 48, 0, 32, 112, 54, 42, 48]}
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, 16])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_chunk_equals_the_literal_oracle_for_any_number_of_chunks_per_window(window, with_state, monkeypatch):
+@pytest.mark.parametrize("pack", ["one_chain", "many_chains"])
+def test_chunk_equals_the_literal_oracle_for_any_number_of_chunks_per_window(pack, window, with_state, monkeypatch):
+    lengths = ONE_CHAIN if pack == "one_chain" else MANY_CHAINS[with_state]
+    chains = ChunkPlan(lengths, 16 if with_state else 0, 64, window, torch.device("cpu")).active[0]
+    assert chains == 1 if pack == "one_chain" else chains >= 7
     monkeypatch.setattr(reference, "WINDOW", window)
-    q, k, v, g, beta = delta_inputs(MIXED, Hk=2, Hv=4, D=16, dtype=torch.float64, seed=window)
-    cu = cu_of(MIXED)
-    h0 = torch.randn(len(MIXED), 4, 16, 16, dtype=torch.float64) if with_state else None
+    q, k, v, g, beta = delta_inputs(lengths, Hk=2, Hv=4, D=16, dtype=torch.float64, seed=window)
+    cu = cu_of(lengths)
+    h0 = torch.randn(len(lengths), 4, 16, 16, dtype=torch.float64) if with_state else None
     o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                       cu_seqlens=cu, use_qk_l2norm=True)
     o_ref, final_ref = naive_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True)
@@ -117,11 +125,13 @@ def test_chunk_equals_the_literal_oracle_for_any_number_of_chunks_per_window(win
 
 
 @pytest.mark.parametrize("window", [1, 3])
-def test_chunk_grads_equal_the_recurrence_grads_for_any_number_of_chunks_per_window(window, monkeypatch):
+@pytest.mark.parametrize("pack", ["one_chain", "many_chains"])
+def test_chunk_grads_equal_the_recurrence_grads_for_any_number_of_chunks_per_window(pack, window, monkeypatch):
     monkeypatch.setattr(reference, "WINDOW", window)
-    inputs = [x.requires_grad_() for x in delta_inputs(MIXED, Hk=2, Hv=4, D=16, dtype=torch.float64, seed=1)]
-    h0 = torch.randn(len(MIXED), 4, 16, 16, dtype=torch.float64, requires_grad=True)
-    cu = cu_of(MIXED)
+    lengths = ONE_CHAIN if pack == "one_chain" else MANY_CHAINS[True]
+    inputs = [x.requires_grad_() for x in delta_inputs(lengths, Hk=2, Hv=4, D=16, dtype=torch.float64, seed=1)]
+    h0 = torch.randn(len(lengths), 4, 16, 16, dtype=torch.float64, requires_grad=True)
+    cu = cu_of(lengths)
     grads = []
     for kernel in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
         o, final = kernel(*inputs, initial_state=h0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm=True)
