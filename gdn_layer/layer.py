@@ -223,15 +223,17 @@ class GatedDeltaNet(nn.Module):
         return cu
 
     def _weights_fingerprint(self) -> torch.Tensor:
-        """A digest of every parameter's raw bits: equal on every rank iff (but for a digest collision)
-        the weights are bit-identical. Catches ranks initialised differently, or an optimizer step after
-        a missing ``reduce_sp_grads``, which would otherwise give silently wrong results. Integer sums
-        over the bit patterns, so exact: no summation order or thread count can change it (the float
-        sum it replaces did). Blocks of 2**18 elements bound the temporary memory."""
+        """A digest of the sums of every parameter's raw bit patterns (read as integers): equal on every
+        rank when the weights are bit-identical, different (but for a cancelling coincidence) when any
+        weight differs, e.g. ranks initialised differently, or an optimizer step after a missing
+        ``reduce_sp_grads``, which would otherwise give silently wrong results. Integer sums are exact:
+        no summation order or thread count changes them (a float sum's rounding does). One pass over
+        the weights, no copy."""
         with torch.no_grad():
             bits = (p.detach().reshape(-1).view(_SAME_SIZE_INT.get(p.element_size(), torch.uint8))
                     for p in self.parameters())
-            return digest_of(*(digest_of(block) for b in bits for block in b.split(1 << 18))).cpu()
+            sums = [b.sum(dtype=torch.int64) for b in bits]
+        return digest_of(torch.stack(sums).cpu()) if sums else digest_of(0)
 
     def _check_local(self, x, cu_seqlens, state, output_state):
         if not isinstance(x, torch.Tensor):
