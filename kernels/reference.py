@@ -123,8 +123,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     # instead of adding one full-size zero gradient per slice.
     outs, finals, S_next = [], [], []
     S = q.new_zeros(plan.active[0] if plan.active else 0, Hk, r, Dk, Dv)     # chains start at a reset
-    for (_, pieces), *window in zip(plan.windows, *(x.split([n for n, _ in plan.windows]) for x in (q, k, v, g, beta))):
-        per_chunk = _intra_chunk(*window) + (window[1],)
+    windows = zip(*(x.split([n for n, _ in plan.windows]) for x in (q, k, v, g, beta)))
+    for (_, pieces), window in zip(plan.windows, windows):
+        per_chunk = _intra_chunk(*window) + (window[1],)                     # + k, for the final states
         for piece, u, w, q_dec, attn, k_dec_t, gamma, decay, k_p in zip(
                 pieces, *(x.split([p.hi - p.lo for p in pieces]) for x in per_chunk)):
             if piece.lo == 0:                                                 # a new level
