@@ -17,6 +17,7 @@ from gdn_layer.state import GDNState, check_state
 
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _positive_int(name: str, value) -> int:
@@ -101,7 +102,7 @@ class GatedDeltaNet(nn.Module):
                                 padding=conv_kernel_size - 1, bias=False, **kw)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads, **kw))
         self.A_log = nn.Parameter(torch.empty(num_v_heads, **kw))
-        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, **kw)
+        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, backend=self._backend, **kw)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
         self._build_head_index(device)
         self.reset_parameters()
@@ -222,12 +223,17 @@ class GatedDeltaNet(nn.Module):
         return cu
 
     def _weights_fingerprint(self) -> torch.Tensor:
-        """The bits of each parameter's float64 sum: equal on every rank iff (almost surely) the weights
-        are. Catches ranks initialised differently, or an optimizer step after a missing
-        ``reduce_sp_grads``, which would otherwise give silently wrong results."""
+        """A digest of the sums of every parameter's raw bit patterns (read as integers): equal on every
+        rank when the weights are bit-identical, different (but for a cancelling coincidence) when any
+        weight differs, e.g. ranks initialised differently, or an optimizer step after a missing
+        ``reduce_sp_grads``, which would otherwise give silently wrong results. Integer sums are exact:
+        no summation order or thread count changes them (a float sum's rounding does). One pass over
+        the weights, no copy."""
         with torch.no_grad():
-            sums = torch.stack([p.detach().double().sum() for p in self.parameters()])
-        return sums.cpu().view(torch.int64)
+            bits = (p.detach().reshape(-1).view(_SAME_SIZE_INT.get(p.element_size(), torch.uint8))
+                    for p in self.parameters())
+            sums = [b.sum(dtype=torch.int64) for b in bits]
+        return digest_of(torch.stack(sums).cpu()) if sums else digest_of(0)
 
     def _check_local(self, x, cu_seqlens, state, output_state):
         if not isinstance(x, torch.Tensor):

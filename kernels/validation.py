@@ -192,7 +192,8 @@ def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation) ->
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    check_no_nan("x", x)
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        check_no_nan(name, t)
     cu = None
     if cu_seqlens is not None:
         if B != 1:
@@ -208,4 +209,5 @@ def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation) ->
                              f"got {tuple(initial_state.shape)}")
         if initial_state.device != x.device:
             raise ValueError(f"initial_state is on {initial_state.device} but x is on {x.device}")
+        check_no_nan("initial_state", initial_state)
     return N, cu

@@ -13,6 +13,26 @@ from .agree import agree_across_ranks, digest_of
 from .groups import resolve_sp_group
 
 
+_FLOAT_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _trainable_params(module) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The parameters to reduce and a digest of what every rank must agree on; raises what this rank
+    cannot reduce."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    everything = list(module.parameters())
+    params = [p for p in everything if p.requires_grad]
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError(f"reduce_sp_grads does not support sparse gradients; got one of shape {tuple(p.shape)}")
+    trainable = torch.tensor([i for i, p in enumerate(everything) if p.requires_grad], dtype=torch.int64)
+    sizes = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+    dtypes = torch.tensor([_FLOAT_CODE.get((p if p.grad is None else p.grad).dtype, 99) for p in params],
+                          dtype=torch.int64)
+    return params, digest_of(len(everything), trainable, sizes, dtypes)
+
+
 def reduce_sp_grads(module: torch.nn.Module, sp_group) -> None:
     """All-reduce (SUM) every trainable parameter's ``.grad`` of ``module`` over the SP group, in place.
 
@@ -31,27 +51,26 @@ def reduce_sp_grads(module: torch.nn.Module, sp_group) -> None:
     Gradients are coalesced into one flat buffer per (device, dtype): one all-reduce each.
 
     Raises:
-        TypeError: module not an nn.Module. ValueError: a sparse gradient (not supported), or (on every
-            rank) ranks that disagree on which parameters train or on their sizes.
+        TypeError: module not an nn.Module. ValueError: a sparse gradient (not supported), or ranks
+            that disagree on which parameters train, on their sizes or on their gradients' dtypes. Under
+            SP every check feeds one agreement all-reduce first, so all ranks raise together (the rank
+            at fault with its own error), before any gradient moves.
     """
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     group, size, _ = resolve_sp_group(sp_group)
     if size == 1:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         return
-    everything = list(module.parameters())
-    params = [p for p in everything if p.requires_grad]
-    # Gradients are matched by position in one flat buffer: ranks that disagree on which parameters
-    # train (or on their sizes) would sum unrelated numbers or abort in the collective. One small
-    # all-reduce first makes every rank raise instead.
-    trainable = torch.tensor([i for i, p in enumerate(everything) if p.requires_grad], dtype=torch.int64)
-    sizes = torch.tensor([p.numel() for p in params], dtype=torch.int64)
-    agree_across_ranks(group, digest_of(len(everything), trainable, sizes), None,
-                       "the trainable parameters of the module (which ones, their sizes)")
-    for p in params:
-        if p.grad is not None and p.grad.is_sparse:
-            raise ValueError("reduce_sp_grads does not support sparse gradients; got one of shape "
-                             f"{tuple(p.shape)}")
+    # Gradients are matched by position in one flat buffer per dtype: ranks that disagree on which
+    # parameters train (or on their sizes or dtypes) would sum unrelated numbers or wait in a
+    # collective the others never join, and so would a rank that cannot reduce (a sparse gradient).
+    error, digest = None, digest_of(-1)
+    try:
+        params, digest = _trainable_params(module)
+    except (TypeError, ValueError) as e:
+        error = e
+    agree_across_ranks(group, digest, error,
+                       "the trainable parameters of the module (which ones, their sizes, their gradients' dtypes)")
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:  # module.parameters() has the same order on every rank
         if p.grad is None:

@@ -92,7 +92,6 @@ def shard_sequence(x: torch.Tensor, sp_group, dim: int = 1) -> torch.Tensor:
             on every rank.
         sp_group: None, a ProcessGroup or a 1-D DeviceMesh.
         dim: the sequence dim.
-        grad: what backward does, ``"slice"`` (default) or ``"sum"``, see below.
 
     Returns:
         ``x.narrow(dim, rank * L, L)`` with ``L = x.shape[dim] / P`` (a view; x itself without a group).
@@ -141,7 +140,9 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.sum_grads:
-            grad = grad.contiguous()
+            # all_reduce writes its buffer in place, and the incoming gradient may be shared (another
+            # branch's gradient, or the tensor the caller passed to .backward): reduce a copy
+            grad = grad.clone(memory_format=torch.contiguous_format)
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad.narrow(ctx.dim, ctx.rank * ctx.L, ctx.L), None, None, None, None, None
 
@@ -163,10 +164,11 @@ def gather_sequence(x: torch.Tensor, sp_group, dim: int = 1, grad: str = "slice"
     the same full tensor and computes the same loss): then rank i's slice is exactly dLoss/d(shard i),
     and after ``reduce_sp_grads`` (a sum over ranks) parameter gradients equal the single-process ones.
 
-    Backward, ``grad="sum"``: all-reduces the incoming gradient over the group, then keeps this rank's
-    slice. Right when each rank computes a DIFFERENT part of the loss from the gathered tensor, e.g. a
-    softmax-attention layer in an SP model: every rank attends over the full sequence but keeps (and
-    is scored on) only its own slice of the output, so every rank's loss depends on every shard.
+    Backward, ``grad="sum"``: all-reduces (a copy of) the incoming gradient over the group, then keeps
+    this rank's slice; the incoming gradient itself is never written. Right when each rank computes a
+    DIFFERENT part of the loss from the gathered tensor, e.g. a softmax-attention layer in an SP model:
+    every rank attends over the full sequence but keeps (and is scored on) only its own slice of the
+    output, so every rank's loss depends on every shard.
 
     Raises:
         TypeError: x not a tensor. ValueError: bad ``dim`` or ``grad``.

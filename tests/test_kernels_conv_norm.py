@@ -102,3 +102,13 @@ def test_conv_zero_length_input_hands_state_through():
     init = torch.randn(2, 3, 3)
     y, fin = causal_conv1d(torch.randn(2, 0, 3), torch.randn(3, 4), initial_state=init, output_final_state=True)
     assert y.shape == (2, 0, 3) and torch.equal(fin, init)
+
+
+@pytest.mark.parametrize("name", ["x", "weight", "bias", "initial_state"])
+def test_conv_nan_in_any_input_raises_naming_it(name):
+    torch.manual_seed(0)
+    args = dict(x=torch.randn(1, 9, 6), weight=torch.randn(6, 4), bias=torch.randn(6),
+                initial_state=torch.randn(2, 6, 3))
+    args[name].view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match=f"{name} contains NaN"):
+        causal_conv1d(**args, cu_seqlens=torch.tensor([0, 4, 9]), output_final_state=True)

@@ -272,3 +272,18 @@ def _quickstart(rank, world):
 def test_readme_sp_quickstart_example_equals_one_process(pool2):
     for err in pool2.run(_quickstart):
         assert err <= 1e-5
+
+
+def _different_thread_counts(rank, world):
+    torch.set_num_threads(1 + rank)  # intra-op threads change the order of a float sum's terms
+    try:
+        torch.manual_seed(0)
+        layer = GatedDeltaNet(1024, 4, 8, 128, 128, sp_group=dist.group.WORLD)
+        x = shard_sequence(torch.randn(1, 4 * world, 1024), dist.group.WORLD)
+        return _error_of(layer, x)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_bit_identical_weights_agree_across_ranks_with_different_thread_counts(pool2):
+    assert pool2.run(_different_thread_counts, timeout=120) == ["", ""]

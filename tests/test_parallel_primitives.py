@@ -407,6 +407,41 @@ def _check_resolve_device_mesh(rank, P):
         assert (size, r) == (2, rank % 2)
 
 
+def _check_gather_sum_never_writes_the_incoming_gradient(rank, P):
+    group = dist.group.WORLD
+    x = _rand(60 + rank, 1, 2, 3).requires_grad_()
+    other = _rand(61, 1, 2 * P, 3).requires_grad_()
+    w = _rand(70 + rank, 1, 2 * P, 3)                                  # each rank's loss differs
+    b = other * 1.0
+    # `full + b` hands one gradient tensor to both branches, and autograd runs the gather's backward
+    # first (the newer node): it must not sum that tensor over ranks in place, or b's branch reads the sum
+    ((gather_sequence(x, group, grad="sum") + b) * w).sum().backward()
+    torch.testing.assert_close(other.grad, w, rtol=0, atol=0)
+    total = sum(_rand(70 + r, 1, 2 * P, 3) for r in range(P))
+    torch.testing.assert_close(x.grad, total[:, 2 * rank:2 * rank + 2], rtol=1e-12, atol=1e-12)
+    # nor the tensor the caller passes to .backward
+    g = _rand(80 + rank, 1, 2 * P, 3)
+    kept = g.clone()
+    gather_sequence(x.detach().requires_grad_(), group, grad="sum").backward(g)
+    torch.testing.assert_close(g, kept, rtol=0, atol=0)
+
+
+def _check_sparse_grad_on_one_rank_raises_on_every_rank(rank, P):
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    if rank == 0:
+        emb(torch.tensor([1, 3])).sum().backward()
+    with pytest.raises(ValueError) as e:
+        reduce_sp_grads(emb, dist.group.WORLD)
+    assert ("sparse" if rank == 0 else "rank(s) [0]") in str(e.value)
+    # no rank entered the gradient all-reduce: the group still works for the next step
+    emb.weight.grad = None
+    emb.sparse = False
+    emb(torch.tensor([rank])).sum().backward()
+    reduce_sp_grads(emb, dist.group.WORLD)
+    assert emb.weight.grad[:P].eq(1).all() and emb.weight.grad[P:].eq(0).all()
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
 def pool(request):
     with DistributedPool(request.param, timeout=60) as p:
@@ -452,6 +487,14 @@ def test_agree_raises_on_every_rank_when_one_rank_failed_validation(pool):
 
 def test_resolve_sp_group_accepts_a_device_mesh_dimension(pool):
     pool.run(_check_resolve_device_mesh)
+
+
+def test_gather_sum_backward_leaves_the_incoming_gradient_untouched(pool):
+    pool.run(_check_gather_sum_never_writes_the_incoming_gradient)
+
+
+def test_reduce_sp_grads_with_a_sparse_grad_on_one_rank_raises_on_every_rank_without_hanging(pool):
+    pool.run(_check_sparse_grad_on_one_rank_raises_on_every_rank, timeout=30)
 
 
 # ------------------------------------------------------------------------------------------------------
