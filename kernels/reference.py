@@ -13,9 +13,9 @@ solve a unit lower-triangular system, ``L_ij = beta_i (k_i . k_j) exp(G_i - G_j)
 Every decay is a sum of the g's it spans (no difference of cumulative sums), so a ``g = -inf`` (reset)
 gives exactly zero across it and small g's next to a huge one keep their precision.
 
-Inputs run in fp32 (float64 when q/k/v are float64); outputs come back in v's dtype, states in the
-compute dtype. Grouped heads: value head ``j`` reads q/k head ``j // r``; q/k are never repeated in
-memory (the Gram matrices ``q k^T``, ``k k^T`` are formed once per k head).
+Inputs run in fp32 (float64 when any input is float64; floating dtypes may mix); outputs come back in
+v's dtype, states in the compute dtype. Grouped heads: value head ``j`` reads q/k head ``j // r``; q/k
+are never repeated in memory (the Gram matrices ``q k^T``, ``k k^T`` are formed once per k head).
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def _prepare(q, k, v, g, beta, scale, cu, use_qk_l2norm, multiple):
+def _prepare(q, k, v, g, beta, scale, cu, use_qk_l2norm, multiple, initial_state=None):
     """Cast, normalise, and lay out ``[B, T, H, D]`` packed inputs as padded ``[N, L, ...]``."""
-    dt = compute_dtype(q, k, v)
+    dt = compute_dtype(*(t for t in (q, k, v, g, beta, initial_state) if t is not None))
     B, T, Hk, Dk = k.shape
     Hv = v.shape[2]
     layout = VarlenLayout.from_cu_seqlens(cu, B, T, q.device, multiple=multiple)
@@ -82,7 +82,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     Hv, Dv = v.shape[2], v.shape[3]
     r = Hv // Hk
     out_dtype = v.dtype
-    q, k, v, g, beta, layout, dt = _prepare(q, k, v, g, beta, scale, cu, use_qk_l2norm, CHUNK_SIZE)
+    q, k, v, g, beta, layout, dt = _prepare(q, k, v, g, beta, scale, cu, use_qk_l2norm, CHUNK_SIZE,
+                                            initial_state)
     N, L, C = layout.n, layout.padded_len, CHUNK_SIZE
     S = _initial(initial_state, N, Hk, r, Dk, Dv, dt, q.device)
     nc = L // C
@@ -142,7 +143,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     Hv, Dv = v.shape[2], v.shape[3]
     r = Hv // Hk
     out_dtype = v.dtype
-    q, k, v, g, beta, layout, dt = _prepare(q, k, v, g, beta, scale, cu, use_qk_l2norm, 1)
+    q, k, v, g, beta, layout, dt = _prepare(q, k, v, g, beta, scale, cu, use_qk_l2norm, 1, initial_state)
     N, L = layout.n, layout.padded_len
     S = _initial(initial_state, N, Hk, r, Dk, Dv, dt, q.device)
     outs = []
@@ -166,7 +167,7 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu=None, initial_stat
     """
     B, T, C = x.shape
     W = weight.shape[1]
-    dt = compute_dtype(x, weight)
+    dt = compute_dtype(*(t for t in (x, weight, bias, initial_state) if t is not None))
     layout = VarlenLayout.from_cu_seqlens(cu, B, T, x.device)
     N, L = layout.n, layout.padded_len
     xp = layout.pad(x.reshape(B * T, C).to(dt))                               # [N, L, C]
