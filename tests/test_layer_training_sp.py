@@ -201,3 +201,31 @@ def test_fsdp2_reduce_sp_grads_raises_on_every_rank_when_trainable_params_differ
     msgs = pool4.run(_fsdp_frozen_differ, timeout=300)
     # rank 0 and its SP partner (rank 1) disagree; ranks 2 and 3 form the other SP group and agree
     assert all("differ" in m for m in msgs[:2]) and msgs[2:] == ["", ""], msgs
+
+
+# --------------------------------------------------------------------------------------------------
+# the transformers adapter under SP: packs only through the global cu_seq_lens_q
+
+
+def _hf_adapter_under_sp(rank, world):
+    from gdn_layer.hf import HFGatedDeltaNet
+
+    group = dist.group.WORLD
+    block = HFGatedDeltaNet(*SIZES, sp_group=group)
+    block.load_state_dict(_reference().state_dict())
+    x = torch.randn(1, CU[-1], SIZES[0], generator=torch.Generator().manual_seed(8))
+    position_ids = torch.cat([torch.arange(b - a) for a, b in zip(CU[:-1], CU[1:])])[None]
+    try:
+        block(shard_sequence(x, group), gdn_position_ids=shard_sequence(position_ids, group))
+        msg = ""
+    except ValueError as e:
+        msg = str(e)
+    with torch.no_grad():
+        y = gather_sequence(block(shard_sequence(x, group), cu_seq_lens_q=torch.tensor(CU)), group)
+        err = rel_err(y, _reference()(x, cu_seqlens=torch.tensor(CU)))
+    return msg, err
+
+
+def test_hf_adapter_under_sp_takes_packs_from_cu_seq_lens_q_and_refuses_position_ids_on_every_rank(pool2):
+    for msg, err in pool2.run(_hf_adapter_under_sp, timeout=120):
+        assert "cu_seq_lens_q" in msg and err <= 1e-5, (msg, err)
