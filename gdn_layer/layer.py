@@ -101,6 +101,11 @@ class GatedDeltaNet(nn.Module):
     Raises:
         TypeError / ValueError: bad sizes, ``Hv % Hk != 0``, an unknown ``projection_layout`` or backend,
             or head counts that the SP size cannot partition (names num_k_heads, num_v_heads, SP size).
+
+    In a training stack (docs/layer.md): meta-device init then ``to_empty`` + ``reset_parameters()`` /
+    ``load_state_dict`` works also under SP (no buffers); ``copy.deepcopy`` shares ``sp_group``;
+    ``load_state_dict`` takes either projection layout's weights (converted exactly); fp64 parameters
+    run every step in fp64.
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
