@@ -78,6 +78,33 @@ def test_packs_in_several_rows_and_unpacked_positions_keep_each_row_one_sequence
     assert torch.equal(logits(swapped, ids, position_ids=plain), logits(swapped, ids))
 
 
+def test_qwen3_next_with_its_attention_layer_keeps_position_id_packs_apart():
+    torch.manual_seed(0)
+    model = slow_decay(qwen3_next()).eval()      # linear, full attention, linear
+    swap_gated_deltanet(model)
+    ids, pos, _ = packed_row(seed=5)
+    packed = logits(model, ids, position_ids=pos)
+    assert rel_err(packed[:, 5:], logits(model, ids[:, 5:])) <= 1e-5
+
+
+def test_packed_gradients_under_gradient_checkpointing_equal_the_per_sample_gradients():
+    """The recomputation in backward sees the same boundaries as the forward."""
+    torch.manual_seed(0)
+    model = slow_decay(linear_only_qwen3_5()).train()
+    swap_gated_deltanet(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, pos, _ = packed_row(seed=6)
+    cot = torch.randn(1, 12, 128, generator=torch.Generator().manual_seed(7))
+    (model(ids, position_ids=pos, use_cache=False).logits * cot).sum().backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for a, b in ((0, 5), (5, 12)):
+        (model(ids[:, a:b], use_cache=False).logits * cot[:, a:b]).sum().backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert rel_err(packed[n], p.grad) <= 1e-5, n
+
+
 def test_position_ids_are_read_once_per_forward_not_once_per_layer(swapped, monkeypatch):
     calls = []
     real = hf._row_starts
