@@ -92,7 +92,7 @@ def test_packed_gradients_under_gradient_checkpointing_equal_the_per_sample_grad
     torch.manual_seed(0)
     model = slow_decay(linear_only_qwen3_5()).train()
     swap_gated_deltanet(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     ids, pos, _ = packed_row(seed=6)
     cot = torch.randn(1, 12, 128, generator=torch.Generator().manual_seed(7))
     (model(ids, position_ids=pos, use_cache=False).logits * cot).sum().backward()
