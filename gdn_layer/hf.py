@@ -8,8 +8,18 @@ linear-attention methods (``get_conv_state``, ``update_conv_state``, ``get_recur
 ``update_recurrent_state``). transformers keeps W conv inputs per sequence where ``GDNState`` keeps W-1;
 the oldest of transformers' W is never read by its conv, so the adapter stores it as zero.
 Speculative decoding's past recording (``cache.activate_past_recording``) is not supported.
+
+Packed batches reach the block in one of three ways, and each boundary is honoured exactly (no state,
+conv input or gradient crosses it): ``cu_seq_lens_q`` (transformers' flash-attention kwargs, exact as
+given), ``seq_idx [B, T]`` (the sequence number of each token), or ``position_ids`` that restart inside a
+row (what ``DataCollatorWithFlattening`` gives by default). transformers' decoder layers do not hand
+``position_ids`` to their linear-attention block, so ``swap_gated_deltanet`` adds a forward pre-hook to
+each parent layer that passes them on (as ``gdn_position_ids``).
 """
 from __future__ import annotations
+
+import inspect
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +52,18 @@ def _build(cls, hf_module: nn.Module, sp_group, backend):
     p = hf_module.out_proj.weight
     layer = cls(**sizes, sp_group=sp_group, backend=backend, device=p.device, dtype=p.dtype)
     layer.load_state_dict(hf_module.state_dict(), strict=True)
+    # the copy behaves as the block did: frozen parameters stay frozen, an eval() block stays in eval
+    old_params, old_modules = dict(hf_module.named_parameters()), dict(hf_module.named_modules())
+    for name, param in layer.named_parameters():
+        param.requires_grad_(old_params[name].requires_grad)
+    for name, module in layer.named_modules():
+        module.training = old_modules[name].training if name in old_modules else hf_module.training
     return layer
 
 
 def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto") -> GatedDeltaNet:
-    """A ``GatedDeltaNet`` with the sizes and a copy of the weights of a transformers block.
+    """A ``GatedDeltaNet`` with the sizes and a copy of the weights of a transformers block, and its
+    flags: each parameter's ``requires_grad`` and each submodule's ``training``.
 
     Raises:
         TypeError: ``hf_module`` is not a transformers GatedDeltaNet block.
@@ -54,12 +71,74 @@ def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto") -> Gated
     return _build(GatedDeltaNet, hf_module, sp_group, backend)
 
 
+_POSITION_KEY = "gdn_position_ids"  # how the parent layer's position_ids reach the block (_pass_position_ids)
+
+
+class _LastBoundaries:
+    """The sequence starts found for the last tensors asked about: every layer of one forward gets the
+    same ``position_ids`` / ``seq_idx`` / mask objects, so reading them on the host (a sync on
+    accelerators) happens once per forward, not once per layer."""
+
+    def __init__(self):
+        self.key, self.refs, self.value = None, (), None
+
+    def get(self, tensors, compute):
+        key = tuple(None if t is None else (id(t), t._version) for t in tensors)
+        if key == self.key and all(r() is t for r, t in zip(self.refs, tensors)):
+            return self.value
+        value = compute()
+        self.key, self.value = key, value
+        self.refs = tuple((lambda: None) if t is None else weakref.ref(t) for t in tensors)
+        return value
+
+
+_LAST = _LastBoundaries()
+
+
+def _row_starts(seq_idx, position_ids, mask, batch: int, length: int) -> torch.Tensor | None:
+    """Bool ``[B, T]`` on the host, True where a sequence starts (always at t = 0), or None if every row
+    is one sequence. ``seq_idx``: a new sequence where the index changes. ``position_ids``: where a
+    position is not the previous one + 1, counted only between two real tokens (``mask`` 1), so the
+    positions transformers gives padding never split a row."""
+    ids, name = (seq_idx, "seq_idx") if seq_idx is not None else (position_ids, "position_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"{name} must be an integer tensor [B, T], got "
+                         + (f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor)
+                            else type(ids).__name__))
+    if ids.shape[0] == 1 and batch > 1:  # transformers sometimes passes [1, T] for a whole batch
+        ids = ids.expand(batch, -1)
+    if tuple(ids.shape) != (batch, length):
+        raise ValueError(f"{name} must be [B, T] = {(batch, length)} like the hidden states, "
+                         f"got {tuple(ids.shape)}")
+    ids = ids.detach().cpu().long()
+    if seq_idx is not None:
+        inside = ids[:, 1:] != ids[:, :-1]
+    else:
+        inside = ids[:, 1:] != ids[:, :-1] + 1
+        if mask is not None:
+            real = mask[:, -length:].detach().cpu().bool()
+            inside &= real[:, 1:] & real[:, :-1]
+    if not bool(inside.any()):
+        return None
+    return torch.cat([torch.ones(batch, 1, dtype=torch.bool), inside], 1)
+
+
 class HFGatedDeltaNet(GatedDeltaNet):
     """A ``GatedDeltaNet`` that speaks transformers' block interface (used by ``swap_gated_deltanet``).
 
     ``forward(hidden_states [B, T, hidden], cache=None, attention_mask=None, **kwargs) -> [B, T, hidden]``.
-    ``attention_mask [B, T]`` (1 = token, 0 = padding) zeroes padded inputs as transformers does;
-    ``cu_seq_lens_q`` in kwargs (transformers' packed-batch convention) becomes ``cu_seqlens``.
+    ``attention_mask [B, T]`` (1 = token, 0 = padding) zeroes padded inputs as transformers does.
+    Sequence boundaries, first match wins: ``cu_seq_lens_q`` (or ``cu_seqlens``), exact as given;
+    ``seq_idx [B, T]``; ``position_ids [B, T]`` (or ``gdn_position_ids``, from the parent layer's hook)
+    that restart inside a row. Rows holding several sequences run as one packed batch of all rows;
+    ordinary positions ``[p, p+1, ...]`` leave each row one sequence. ``seq_idx`` / ``position_ids``
+    are read on the host (a sync on accelerators) once per forward for all layers, only when they are
+    passed and ``T > 1``.
+
+    Raises:
+        ValueError: ``seq_idx`` / ``position_ids`` not ``[B, T]`` integers; several sequences in a row
+            together with a cache (it holds one state per row); ``seq_idx`` / ``position_ids`` under
+            sequence parallelism, where only the global ``cu_seq_lens_q`` describes boundaries.
     """
 
     layer_idx: int = 0
@@ -67,26 +146,75 @@ class HFGatedDeltaNet(GatedDeltaNet):
     def forward(self, hidden_states, cache=None, attention_mask=None, cu_seqlens=None, **kwargs):
         cache = kwargs.pop("cache_params", cache)
         cu_seqlens = kwargs.pop("cu_seq_lens_q", cu_seqlens)
-        if attention_mask is not None and attention_mask.dim() == 2:
-            hidden_states = (hidden_states * attention_mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)
+        seq_idx = kwargs.pop("seq_idx", None)
+        position_ids = kwargs.pop(_POSITION_KEY, kwargs.pop("position_ids", None))
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if mask is not None:
+            hidden_states = (hidden_states * mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)
+        B, T = hidden_states.shape[:2]
+        if cu_seqlens is None and T > 1 and (seq_idx is not None or position_ids is not None):
+            starts = self._sequence_starts(seq_idx, position_ids, mask, B, T, cache)
+            if starts is not None:  # several sequences in a row: all rows as one packed batch
+                cu_seqlens = torch.cat([torch.nonzero(starts.reshape(-1))[:, 0], torch.tensor([B * T])])
+                y = super().forward(hidden_states.reshape(1, B * T, -1), cu_seqlens=cu_seqlens)
+                return y.reshape(B, T, -1)
         if cache is None:
             return super().forward(hidden_states, cu_seqlens=cu_seqlens)
         conv, rec = cache.get_conv_state(self.layer_idx), cache.get_recurrent_state(self.layer_idx)
         state = None
         if conv is not None and rec is not None:
-            state = GDNState(conv[..., conv.shape[-1] - (self.conv_kernel_size - 1):].float(), rec.float())
+            # the layer's state dtype: fp32, or fp64 for an fp64 model (never rounded to fp32)
+            dt = torch.float64 if self.out_proj.weight.dtype == torch.float64 else torch.float32
+            state = GDNState(conv[..., conv.shape[-1] - (self.conv_kernel_size - 1):].to(dt), rec.to(dt))
         y, new = super().forward(hidden_states, cu_seqlens=cu_seqlens, state=state, output_state=True)
         cache.update_conv_state(F.pad(new.conv_state, (1, 0)).to(hidden_states.dtype), self.layer_idx,
                                 conv_kernel_size=self.conv_kernel_size)
         cache.update_recurrent_state(new.recurrent_state, self.layer_idx)
         return y
 
+    def _sequence_starts(self, seq_idx, position_ids, mask, B, T, cache):
+        """Bool ``[B, T]`` host tensor of sequence starts, or None when every row is one sequence."""
+        name = "seq_idx" if seq_idx is not None else "position_ids"
+        if self.sp_size > 1:
+            # Raised on every rank alike (it depends on no value): a rank's slice of position_ids cannot
+            # show a boundary at a rank edge, so reading it could silently join two sequences.
+            raise ValueError(
+                f"under sequence parallelism the adapter does not read sequence boundaries from {name} (a "
+                "rank holds only its slice, where a boundary at a rank edge is invisible): pass the GLOBAL "
+                "boundaries as cu_seq_lens_q, the same on every rank (torch.tensor([0, T]) for one sequence)")
+        tensors = (seq_idx, None, None) if seq_idx is not None else (None, position_ids, mask)
+        starts = _LAST.get(tensors, lambda: _row_starts(*tensors, B, T))
+        if starts is not None and cache is not None:
+            raise ValueError(f"{name} puts several sequences in one row (a packed batch), but a cache was given, "
+                             "which holds one state per row: pass use_cache=False for packed batches")
+        return starts
+
+
+def _pass_position_ids(module, args, kwargs):
+    """Forward pre-hook of a layer whose GatedDeltaNet block was swapped: transformers' decoder layers
+    keep ``position_ids`` for their attention and do not forward them to the linear-attention block,
+    so hand them on (under another name: ``position_ids`` is the layer's own argument)."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        return None
+    return args, {**kwargs, _POSITION_KEY: position_ids}
+
+
+def _takes_position_ids(module: nn.Module) -> bool:
+    """Whether ``module.forward`` has a ``position_ids`` argument and passes ``**kwargs`` on."""
+    params = inspect.signature(module.forward).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD for p in params) and any(p.name == "position_ids" for p in params)
+
 
 def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto") -> int:
     """Replace every transformers GatedDeltaNet block in ``model`` by an ``HFGatedDeltaNet`` in place.
 
     Weights are copied, parameter names are unchanged (checkpoints still load), and the model's own
-    cache object and forward signature keep working. Returns the number of blocks replaced.
+    cache object and forward signature keep working. Each block keeps its flags: every parameter's
+    ``requires_grad`` and every submodule's ``training``. The new blocks hold new ``Parameter``
+    objects: build the optimizer (and FSDP / DDP wrappers) after swapping. Each parent layer that takes
+    ``position_ids`` gets a forward pre-hook that passes them to the block, so packs described only by
+    restarting ``position_ids`` stay apart. Returns the number of blocks replaced.
     """
     targets = [(name, m) for name, m in model.named_modules()
                if type(m).__name__.endswith("GatedDeltaNet") and type(m).__module__.startswith("transformers.")]
@@ -95,4 +223,7 @@ def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto") 
         new.layer_idx = m.layer_idx
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         setattr(parent, name.rpartition(".")[2], new)
+        if _takes_position_ids(parent) and not getattr(parent, "_gdn_passes_position_ids", False):
+            parent.register_forward_pre_hook(_pass_position_ids, with_kwargs=True)
+            parent._gdn_passes_position_ids = True
     return len(targets)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch import nn
@@ -26,6 +27,48 @@ def _positive_int(name: str, value) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
     return value
+
+
+_SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_FUSED = ("in_proj_qkvz", "in_proj_ba")
+
+
+def _load_either_layout(module, state_dict, prefix, *_):
+    """``load_state_dict`` pre-hook: rewrite the other projection layout's weights into this layer's.
+
+    A pure reordering of rows (exact): split ``in_proj_qkv [q_all | k_all | v_all]``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a`` (Qwen3.5) <-> fused ``in_proj_qkvz``, ``in_proj_ba`` in transformers'
+    per-k-head grouped order, ``[q_h | k_h | v of its r heads | z of its r heads]`` and ``[b | a of its r
+    heads]`` for each k head h (Qwen3-Next). Only a complete set of the other layout's weights with the
+    expected shapes, and none of this layout's, is converted; anything else is left for
+    ``load_state_dict`` to report as missing / unexpected / mismatched.
+    """
+    mine, other = (_SPLIT, _FUSED) if module.projection_layout == "split" else (_FUSED, _SPLIT)
+    keys = [f"{prefix}{name}.weight" for name in other]
+    if any(f"{prefix}{name}.weight" in state_dict for name in mine) or not all(k in state_dict for k in keys):
+        return
+    Hk, Dk, Dv, h = module.num_k_heads, module.head_k_dim, module.head_v_dim, module.hidden_size
+    r = module.num_v_heads // Hk
+    if module.projection_layout == "fused":
+        qkv, z, b, a = (state_dict[k] for k in keys)
+        want = [(2 * Hk * Dk + Hk * r * Dv, h), (Hk * r * Dv, h), (Hk * r, h), (Hk * r, h)]
+        if [tuple(t.shape) for t in (qkv, z, b, a)] != want:
+            return
+        q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hk * r * Dv])
+        new = {"in_proj_qkvz": torch.cat([q.reshape(Hk, Dk, h), k.reshape(Hk, Dk, h), v.reshape(Hk, r * Dv, h),
+                                          z.reshape(Hk, r * Dv, h)], 1).reshape(-1, h),
+               "in_proj_ba": torch.cat([b.reshape(Hk, r, h), a.reshape(Hk, r, h)], 1).reshape(-1, h)}
+    else:
+        qkvz, ba = (state_dict[k] for k in keys)
+        if [tuple(t.shape) for t in (qkvz, ba)] != [(Hk * (2 * Dk + 2 * r * Dv), h), (2 * Hk * r, h)]:
+            return
+        q, k, v, z = qkvz.reshape(Hk, 2 * Dk + 2 * r * Dv, h).split([Dk, Dk, r * Dv, r * Dv], 1)
+        b, a = ba.reshape(Hk, 2 * r, h).split([r, r], 1)
+        new = {"in_proj_qkv": torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]),
+               "in_proj_z": z.reshape(-1, h), "in_proj_b": b.reshape(-1, h), "in_proj_a": a.reshape(-1, h)}
+    for key in keys:
+        del state_dict[key]
+    state_dict.update({f"{prefix}{name}.weight": t for name, t in new.items()})
 
 
 class GatedDeltaNet(nn.Module):
@@ -59,6 +102,11 @@ class GatedDeltaNet(nn.Module):
     Raises:
         TypeError / ValueError: bad sizes, ``Hv % Hk != 0``, an unknown ``projection_layout`` or backend,
             or head counts that the SP size cannot partition (names num_k_heads, num_v_heads, SP size).
+
+    In a training stack (docs/layer.md): meta-device init then ``to_empty`` + ``reset_parameters()`` /
+    ``load_state_dict`` works also under SP (no buffers); ``copy.deepcopy`` shares ``sp_group``;
+    ``load_state_dict`` takes either projection layout's weights (converted exactly); fp64 parameters
+    run every step in fp64.
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
@@ -104,7 +152,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads, **kw))
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps, backend=self._backend, **kw)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
-        self._build_head_index(device)
+        self.local_conv_dim = 2 * self.heads.k_heads_per_rank * head_k_dim + self.heads.v_heads_per_rank * head_v_dim
+        self._feature_index_cache: dict = {}
+        self.register_load_state_dict_pre_hook(_load_either_layout)
         self.reset_parameters()
 
     @classmethod
@@ -147,20 +197,37 @@ class GatedDeltaNet(nn.Module):
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
             self.norm.weight.fill_(1.0)
 
-    def _build_head_index(self, device) -> None:
-        """Per rank: which channels of ``[q_all | k_all | v_all | a | b]`` it owns after the all-to-all."""
-        Dk, Dv, Hv = self.head_k_dim, self.head_v_dim, self.num_v_heads
-        rows = []
-        for rank in range(self.sp_size):
-            kh = torch.tensor(list(self.heads.k_heads(rank)))
-            vh = torch.tensor(list(self.heads.v_heads(rank)))
-            qk_rows = (kh[:, None] * Dk + torch.arange(Dk)).reshape(-1)
-            v_rows = (vh[:, None] * Dv + torch.arange(Dv)).reshape(-1)
-            rows.append(torch.cat([qk_rows, self.key_dim + qk_rows, 2 * self.key_dim + v_rows,
-                                   self.conv_dim + vh, self.conv_dim + Hv + vh]))
-        # [P, C_local + 2 Hv_local]; not a parameter and not saved: derived from the sizes
-        self.register_buffer("_feature_index", torch.stack(rows).to(device), persistent=False)
-        self.local_conv_dim = 2 * self.heads.k_heads_per_rank * Dk + self.heads.v_heads_per_rank * Dv
+    def _feature_index(self, device: torch.device) -> torch.Tensor:
+        """Per rank: which channels of ``[q_all | k_all | v_all | a | b]`` it owns after the all-to-all.
+
+        int64 ``[P, C_local + 2 Hv_local]`` on ``device``, derived from the sizes alone. Built on first use
+        per device and kept in a plain dict, never a buffer: ``to_empty`` (meta-device init) would leave a
+        buffer uninitialised, and neither ``reset_parameters`` nor ``load_state_dict`` would refill it.
+        """
+        key = (device.type, device.index)
+        index = self._feature_index_cache.get(key)
+        if index is None:
+            Dk, Dv, Hv = self.head_k_dim, self.head_v_dim, self.num_v_heads
+            rows = []
+            for rank in range(self.sp_size):
+                kh = torch.tensor(list(self.heads.k_heads(rank)))
+                vh = torch.tensor(list(self.heads.v_heads(rank)))
+                qk_rows = (kh[:, None] * Dk + torch.arange(Dk)).reshape(-1)
+                v_rows = (vh[:, None] * Dv + torch.arange(Dv)).reshape(-1)
+                rows.append(torch.cat([qk_rows, self.key_dim + qk_rows, 2 * self.key_dim + v_rows,
+                                       self.conv_dim + vh, self.conv_dim + Hv + vh]))
+            index = self._feature_index_cache[key] = torch.stack(rows).to(device)
+        return index
+
+    def __deepcopy__(self, memo):
+        """A deep copy that shares the SP process group (which cannot be copied or pickled): EMA and
+        reference models are deep copies that run in the same group."""
+        if self.sp_group is not None:
+            memo.setdefault(id(self.sp_group), self.sp_group)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
 
     # ----------------------------------------------------------------------------------------------
     # forward: the dataflow, top to bottom
@@ -187,7 +254,7 @@ class GatedDeltaNet(nn.Module):
         """
         cu = self._check_inputs(hidden_states, cu_seqlens, state, output_state)
         mixed, z = self._project(hidden_states)              # local tokens, all heads
-        mixed = seq_to_head(mixed, self._feature_index, self.sp_group) if self.sp_size > 1 else mixed
+        mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group) if self.sp_size > 1 else mixed
         with self._checked_already():
             q, k, v, a, b, conv_state = self._conv(mixed, cu, state, output_state)  # full T, local heads
             g, beta = self._gate(a, b)
@@ -297,7 +364,8 @@ class GatedDeltaNet(nn.Module):
         """This rank's channels of a full conv state (those of its q/k and value heads)."""
         if state is None or self.sp_size == 1:
             return None if state is None else state.conv_state
-        return state.conv_state.index_select(1, self._feature_index[self.sp_rank, :self.local_conv_dim])
+        index = self._feature_index(state.conv_state.device)
+        return state.conv_state.index_select(1, index[self.sp_rank, :self.local_conv_dim])
 
     def _local_recurrent_state(self, state: GDNState | None):
         """This rank's value heads of a full recurrent state."""
@@ -313,7 +381,7 @@ class GatedDeltaNet(nn.Module):
         hk, hv = self.heads.k_heads_per_rank, self.heads.v_heads_per_rank
         weight = self.conv1d.weight[:, 0, :]
         if self.sp_size > 1:
-            weight = weight.index_select(0, self._feature_index[self.sp_rank, :C])
+            weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
         qkv, conv_state = causal_conv1d(mixed[..., :C], weight, None, activation="silu", cu_seqlens=cu,
                                         initial_state=self._local_conv_state(state),
                                         output_final_state=output_state, backend=self._backend)
@@ -339,7 +407,7 @@ class GatedDeltaNet(nn.Module):
     def _full_state(self, conv_state, recurrent_state) -> GDNState:
         """Under SP, gather every rank's heads into the full state (transformers' channel order)."""
         if self.sp_size > 1:
-            idx = self._feature_index[:, :self.local_conv_dim]
+            idx = self._feature_index(conv_state.device)[:, :self.local_conv_dim]
             conv_state = gather_heads(conv_state, list(idx), self.conv_dim, 1, self.sp_group)
             vidx = [torch.arange(r.start, r.stop) for r in map(self.heads.v_heads, range(self.sp_size))]
             recurrent_state = gather_heads(recurrent_state, vidx, self.num_v_heads, 1, self.sp_group)

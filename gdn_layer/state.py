@@ -15,7 +15,9 @@ class GDNState:
             channels in ``[q_all | k_all | v_all]`` order (``conv_dim = 2*Hk*Dk + Hv*Dv``), oldest first.
         recurrent_state: ``[N, Hv, Dk, Dv]`` float32: the delta-rule state ``S`` of each sequence.
 
-    Both are always the FULL state (all heads), also under sequence parallelism.
+    Both are always the FULL state (all heads), also under sequence parallelism. ``torch.save(state, f)``
+    and ``torch.load(f)`` (weights-only, torch's default) round-trip it: importing ``gdn_layer`` registers
+    the class with ``torch.serialization.add_safe_globals``.
     """
     conv_state: torch.Tensor
     recurrent_state: torch.Tensor
@@ -27,6 +29,11 @@ class GDNState:
     def detach(self) -> "GDNState":
         """A copy cut from the autograd graph (for carrying a cache across training steps)."""
         return GDNState(self.conv_state.detach(), self.recurrent_state.detach())
+
+
+# torch.load's default (weights_only=True) refuses classes it does not know; a GDNState holds only two
+# tensors, so allow it: a saved cache loads back without weights_only=False.
+torch.serialization.add_safe_globals([GDNState])
 
 
 def check_state(state, num_sequences: int, conv_dim: int, kernel_size: int, num_v_heads: int,

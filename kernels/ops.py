@@ -161,7 +161,7 @@ def causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_
     y, final = backend_by_name(backend).causal_conv1d(
         x, weight, bias=bias, activation=activation, cu=cu_seqlens, initial_state=initial_state,
         output_final_state=output_final_state)
-    dt = math_dtype(x, weight)
+    dt = math_dtype(x, weight, bias, initial_state)
     final = final.to(dt) if final is not None else x.new_empty(_EMPTY, dtype=dt)
     return _own(y.to(x.dtype).contiguous(), x, initial_state), _own(final, x, initial_state)
 
@@ -170,7 +170,7 @@ def causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_
 def _(x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
     N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     shape = (N, x.shape[2], weight.shape[1] - 1) if output_final_state else _EMPTY
-    return x.new_empty(x.shape), x.new_empty(shape, dtype=math_dtype(x, weight))
+    return x.new_empty(x.shape), x.new_empty(shape, dtype=math_dtype(x, weight, bias, initial_state))
 
 
 @torch.library.custom_op("gdn_layer::causal_conv1d_bwd", mutates_args=())

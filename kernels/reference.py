@@ -13,9 +13,9 @@ solve a unit lower-triangular system, ``L_ij = beta_i (k_i . k_j) exp(G_i - G_j)
 Every decay is a sum of the g's it spans (no difference of cumulative sums), so a ``g = -inf`` (reset)
 gives exactly zero across it and small g's next to a huge one keep their precision.
 
-Inputs run in fp32 (float64 when q/k/v are float64); outputs come back in v's dtype, states in the
-compute dtype. Grouped heads: value head ``j`` reads q/k head ``j // r``; q/k are never repeated in
-memory (the Gram matrices ``q k^T``, ``k k^T`` are formed once per k head).
+Inputs run in fp32 (float64 when any input is float64; floating dtypes may mix); outputs come back in
+v's dtype, states in the compute dtype. Grouped heads: value head ``j`` reads q/k head ``j // r``; q/k
+are never repeated in memory (the Gram matrices ``q k^T``, ``k k^T`` are formed once per k head).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ WINDOW = 16  # chunks whose C x C matrices exist at once: bounds the memory of a
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 if any input is float64, else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -39,9 +39,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, initial_state=None):
     """Cast to the compute dtype, normalise and scale: packed rows ``[B * T, H, ...]``."""
-    dt = compute_dtype(q, k, v)
+    dt = compute_dtype(q, k, v, g, beta, initial_state)
     Dk = k.shape[-1]
     q, k, v, g, beta = (x.to(dt).reshape(-1, *x.shape[2:]) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
@@ -108,7 +108,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     r, C, out_dtype = Hv // Hk, CHUNK_SIZE, v.dtype
-    q, k, v, g, beta, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    q, k, v, g, beta, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, initial_state)
     lengths = sequence_lengths(cu, B, T)
     N, dev = len(lengths), q.device
     plan = ChunkPlan(lengths, 0 if initial_state is None else Dk, C, WINDOW, dev)
@@ -162,7 +162,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     r, out_dtype = Hv // Hk, v.dtype
-    q, k, v, g, beta, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    q, k, v, g, beta, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm, initial_state)
     plan = StepPlan(sequence_lengths(cu, B, T), q.device)
     N = plan.order.numel()
     S = (q.new_zeros(N, Hk, r, Dk, Dv) if initial_state is None
@@ -198,7 +198,7 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu=None, initial_stat
     """
     B, T, C = x.shape
     W = weight.shape[1]
-    dt = compute_dtype(x, weight)
+    dt = compute_dtype(x, weight, bias, initial_state)
     lengths = sequence_lengths(cu, B, T)
     plan = ConvPlan(lengths, W, initial_state is None, x.device)
     state_rows = (x.new_zeros(0, C, dtype=dt) if initial_state is None

@@ -111,6 +111,10 @@ def check_scale(scale) -> None:
 def check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[int, int, torch.Tensor | None]:
     """Validate the inputs of ``chunk_gated_delta_rule`` / ``recurrent_gated_delta_rule``.
 
+    Floating dtypes may mix, as fla's ops accept (e.g. q, k fp32 with v, beta fp16, an fp16
+    ``initial_state``): the math runs in fp32, or fp64 when any input is fp64. Integer, bool and complex
+    tensors raise TypeError.
+
     Returns ``(N, r, cu)`` where N is the number of sequences (B, or len(cu_seqlens) - 1), r = Hv / Hk and
     cu the int64 ``cu_seqlens`` (or None).
     """
@@ -136,8 +140,6 @@ def check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tup
         if tuple(t.shape) != (B, T, Hv):
             raise ValueError(f"{name} must be [B, T, Hv] = {(B, T, Hv)} (one value per value head), "
                              f"got {tuple(t.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must be on one device")
@@ -155,9 +157,8 @@ def check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tup
         if tuple(initial_state.shape) != (N, Hv, Dk, v.shape[3]):
             raise ValueError(f"initial_state must be [N, Hv, Dk, Dv] = {(N, Hv, Dk, v.shape[3])} "
                              f"(N = number of sequences), got {tuple(initial_state.shape)}")
-        if initial_state.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"initial_state must be float32 (recurrent state is kept in fp32), "
-                            f"got {initial_state.dtype}")
+        if not initial_state.is_floating_point():
+            raise TypeError(f"initial_state must be a floating-point tensor, got {initial_state.dtype}")
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
     if values_checkable(g):

@@ -2,12 +2,22 @@
 
 Under Ulysses every rank holds a full replica of the layer's parameters but sees only its slice of the
 tokens (and, inside the layer, only its heads), so each rank's ``.grad`` is a partial sum over tokens.
+Composed with FSDP2 on a 2-D ``(dp, sp)`` mesh the gradients are DTensors sharded over dp; the SP ranks
+of one dp coordinate hold the same shard positions, so summing the local shards over sp is the same sum.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+try:  # public from torch 2.5; private before
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover
+    try:
+        from torch.distributed._tensor import DTensor as _DTensor
+    except ImportError:
+        _DTensor = None
 
 from .agree import agree_across_ranks, digest_of
 from .groups import resolve_sp_group
@@ -27,7 +37,7 @@ def _trainable_params(module) -> tuple[list[torch.Tensor], torch.Tensor]:
         if p.grad is not None and p.grad.is_sparse:
             raise ValueError(f"reduce_sp_grads does not support sparse gradients; got one of shape {tuple(p.shape)}")
     trainable = torch.tensor([i for i, p in enumerate(everything) if p.requires_grad], dtype=torch.int64)
-    sizes = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+    sizes = torch.tensor([_local(p).numel() for p in params], dtype=torch.int64)
     dtypes = torch.tensor([_FLOAT_CODE.get((p if p.grad is None else p.grad).dtype, 99) for p in params],
                           dtype=torch.int64)
     return params, digest_of(len(everything), trainable, sizes, dtypes)
@@ -48,7 +58,10 @@ def reduce_sp_grads(module: torch.nn.Module, sp_group) -> None:
 
     A parameter whose ``.grad`` is None on this rank (e.g. unused by its tokens) gets a zero gradient
     first, so every rank issues the same collectives; afterwards every trainable parameter has a grad.
-    Gradients are coalesced into one flat buffer per (device, dtype): one all-reduce each.
+    Gradients are coalesced into one flat buffer per (device, dtype): one all-reduce each. DTensor
+    gradients (FSDP2's ``fully_shard(model, mesh=mesh["dp"])`` with ``sp_group=mesh["sp"]``) are reduced
+    through their local shards (``grad.to_local()``), in place: the dp shard of rank (d, s) covers the
+    same parameter positions for every s, so the sum over sp of the local shards is the sharded sum.
 
     Raises:
         TypeError: module not an nn.Module. ValueError: a sparse gradient (not supported), or ranks
@@ -75,12 +88,18 @@ def reduce_sp_grads(module: torch.nn.Module, sp_group) -> None:
     for p in params:  # module.parameters() has the same order on every rank
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        grad = _local(p.grad)  # a view of a DTensor's shard: reduced in place
+        buckets.setdefault((grad.device, grad.dtype), []).append(grad)
     for grads in buckets.values():
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view that writes through), or ``t`` itself."""
+    return t.to_local() if _DTensor is not None and isinstance(t, _DTensor) else t
 
 
 __all__ = ["reduce_sp_grads"]
