@@ -134,7 +134,7 @@ def main(argv=None):
     P = dist.get_world_size()
     layer = GatedDeltaNet(args.hidden, args.k_heads, args.v_heads, args.head_dim, args.head_dim,
                           sp_group=group, device=device, dtype=getattr(torch, args.dtype))
-    feature_index = layer._feature_index            # the rows the layer itself sends
+    feature_index = layer._feature_index(device)          # the rows the layer itself sends
     F = layer.conv_dim + 2 * args.v_heads
     F_local = layer.heads.v_heads_per_rank * args.head_dim
     del layer

@@ -47,12 +47,15 @@ def available(device: torch.device) -> tuple[bool, str]:
     return _importable(torch.cuda.get_device_capability(device))
 
 
-def eligible(q, k, v) -> str:
-    """Empty string when FlashQLA can run these inputs, else the reason it cannot."""
+def eligible(q, k, v, cu=None) -> str:
+    """Empty string when FlashQLA can run these inputs, else the reason it cannot (one host read of
+    ``cu``: FlashQLA 0.1.3 gave NaN outputs for packs with zero-length segments on an H200)."""
     if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16)):
         return f"FlashQLA needs q, k, v in one of bf16/fp16 (got {q.dtype}, {k.dtype}, {v.dtype})"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
         return f"FlashQLA needs Dk = Dv = 128 (got Dk = {q.shape[-1]}, Dv = {v.shape[-1]})"
+    if cu is not None and bool(((cu[1:] - cu[:-1]).cpu() == 0).any()):
+        return "FlashQLA gives NaN for zero-length segments"
     return ""
 
 
@@ -70,7 +73,7 @@ def _prep(q, k, v, g, beta, use_qk_l2norm):
 
 def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
               use_qk_l2norm=False):
-    why = eligible(q, k, v)
+    why = eligible(q, k, v, cu)
     if why:
         _fallback(why)
         return fla_backend.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu, use_qk_l2norm)
@@ -83,15 +86,16 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 
 def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
-    if eligible(q, k, v):
+    if eligible(q, k, v, cu):
         return fla_backend.chunk_bwd(do, dfinal, q, k, v, g, beta, scale, initial_state, cu, use_qk_l2norm)
     from flash_qla.ops.gated_delta_rule import chunk as qla
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
+    dht = None if dfinal is None else dfinal.float().contiguous()
     # recompute the chunk-local cumsum of g and the UT matrices A (cheap) instead of saving them
     g_cum = qla.chunk_local_cumsum(g=g, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
     A = qla.kkt_solve(k=kn, b=beta, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
     dq, dk, dv, db, dg, dh0 = qla.chunk_gated_delta_rule_bwd(
-        qn, kn, v, g_cum, beta, A, do.contiguous(), None if dfinal is None else dfinal.float().contiguous(),
+        qn, kn, v, g_cum, beta, A, do.contiguous(), dht,
         scale=scale, initial_state=fla_backend._state(initial_state), cu_seqlens=cu, auto_cp=False)
     if use_qk_l2norm:
         dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)

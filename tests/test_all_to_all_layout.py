@@ -158,8 +158,8 @@ def _layer_index(P, replicated):
     Hk = P // 2 if replicated else P
     layer = GatedDeltaNet(16, Hk, 2 * P, 4, 2, sp_group=dist.group.WORLD)
     idx, F = _head_index(Hk, 2 * P, P, 4, 2)
-    assert torch.equal(layer._feature_index, idx)          # the test's rows are the layer's rows
-    return layer._feature_index, F
+    assert torch.equal(layer._feature_index(idx.device), idx)   # the test's rows are the layer's rows
+    return layer._feature_index(idx.device), F
 
 
 def _check_layer_index_parity_and_op_log(rank, P, replicated, B):
