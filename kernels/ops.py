@@ -49,6 +49,17 @@ def _own(t: Tensor, *inputs) -> Tensor:
     return t
 
 
+def _distinct(outputs, *inputs) -> tuple:
+    """``outputs`` with each one that shares memory with an input or an earlier output copied."""
+    seen = [x for x in inputs if x is not None]
+    result = []
+    for t in outputs:
+        t = _own(t, *seen)
+        seen.append(t)
+        result.append(t)
+    return tuple(result)
+
+
 def _empty_like_none(t: Tensor | None, ref: Tensor) -> Tensor:
     return ref.new_empty(_EMPTY) if t is None else t
 
@@ -122,7 +133,7 @@ def _make_delta_rule_ops(kind: str):
             dq, dk, dv, dg, dbeta, dh0 = _vjp(f, (q, k, v, g, beta, initial_state), (do, dfinal)[:1 + output_final_state])
         grads = [x.to(ref.dtype) for x, ref in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta))]
         dh0 = _empty_like_none(dh0 if initial_state is not None else None, q)
-        return tuple(_own(d, do, dfinal) for d in (*grads, dh0))
+        return _distinct((*grads, dh0), do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens)
 
     @bwd.register_fake
     def _(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, backend):
@@ -190,7 +201,7 @@ def causal_conv1d_bwd_op(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight
         dx, dw, db, dh0 = _vjp(f, (x, weight, bias, initial_state), (dy, dfinal)[:1 + output_final_state])
     grads = (dx.to(x.dtype), dw.to(weight.dtype), _empty_like_none(None if bias is None else db.to(bias.dtype), x),
              _empty_like_none(None if initial_state is None else dh0.to(initial_state.dtype), x))
-    return tuple(_own(d, dy, dfinal) for d in grads)
+    return _distinct(grads, dy, dfinal, x, weight, bias, initial_state, cu_seqlens)
 
 
 @causal_conv1d_bwd_op.register_fake
@@ -240,7 +251,7 @@ def gdn_gate_bwd_op(dg: Tensor, dbeta: Tensor, a: Tensor, b: Tensor, A_log: Tens
         grads = impl.gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias)
     else:
         grads = _vjp(impl.gdn_gate, (a, b, A_log, dt_bias), (dg, dbeta))
-    return tuple(_own(d.to(x.dtype), dg, dbeta) for d, x in zip(grads, (a, b, A_log, dt_bias)))
+    return _distinct([d.to(x.dtype) for d, x in zip(grads, (a, b, A_log, dt_bias))], dg, dbeta, a, b, A_log, dt_bias)
 
 
 @gdn_gate_bwd_op.register_fake
@@ -281,7 +292,7 @@ def gated_rms_norm_bwd_op(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, eps:
         grads = impl.gated_rms_norm_bwd(dy, x, z, weight, eps)
     else:
         grads = _vjp(lambda x, z, w: (impl.gated_rms_norm(x, z, w, eps),), (x, z, weight), (dy,))
-    return tuple(_own(d.to(t.dtype), dy) for d, t in zip(grads, (x, z, weight)))
+    return _distinct([d.to(t.dtype) for d, t in zip(grads, (x, z, weight))], dy, x, z, weight)
 
 
 @gated_rms_norm_bwd_op.register_fake
