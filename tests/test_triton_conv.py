@@ -2,7 +2,8 @@
 
 Every comparison draws random inputs and upstream grads (for y and for the final state) and checks
 outputs, final states and the grads of x, weight, bias and initial_state. The oracle is the torch
-reference run in float64 on the same values; fp32 results must be within 1e-5 of it.
+reference run in float64 on the CPU on the same values; fp32 results must be within 1e-5 of it.
+Where CUDA is present the kernels run compiled on it instead of under the interpreter.
 """
 import importlib.util
 import pathlib
@@ -14,10 +15,11 @@ from gdn_layer.kernels import reference
 from gdn_layer.kernels.triton import conv
 
 SCAN_TOOL = pathlib.Path("/work/shared/tools/scan_triton.py")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -34,17 +36,18 @@ def make_inputs(B, T, C, W, cu=None, init=True, bias=True, dtype=torch.float32, 
                 gy=torch.randn(B, T, C, generator=g), gf=torch.randn(N, C, W - 1, generator=g))
 
 
-def run(fn, inp, activation, to=None, final=True):
-    """Forward + backward of ``fn``; returns (y, final, grads of x, weight, bias, initial_state)."""
-    cast = (lambda t: t) if to is None else (lambda t: t.to(to))
+def run(fn, inp, activation, to=None, final=True, device="cpu"):
+    """Forward + backward of ``fn`` on ``device``; returns (y, final, grads of x, weight, bias, initial_state)."""
+    cast = (lambda t: t.to(device)) if to is None else (lambda t: t.to(device, to))
     buf = cast(inp["buf"]).clone().requires_grad_()
     x = buf[..., inp["off"]:inp["off"] + inp["C"]]
     leaves = [cast(inp[k]).clone().requires_grad_() if inp[k] is not None else None
               for k in ("weight", "bias", "init")]
-    y, fin = fn(x, leaves[0], leaves[1], activation, inp["cu"], leaves[2], final)
-    loss = (y.double() * inp["gy"].double()).sum()
+    cu = None if inp["cu"] is None else inp["cu"].to(device)
+    y, fin = fn(x, leaves[0], leaves[1], activation, cu, leaves[2], final)
+    loss = (y.double() * inp["gy"].to(device).double()).sum()
     if final:
-        loss = loss + (fin.double() * inp["gf"].double()).sum()
+        loss = loss + (fin.double() * inp["gf"].to(device).double()).sum()
     grads = torch.autograd.grad(loss, [buf] + [t for t in leaves if t is not None])
     gx = grads[0][..., inp["off"]:inp["off"] + inp["C"]]
     rest = iter(grads[1:])
@@ -52,7 +55,7 @@ def run(fn, inp, activation, to=None, final=True):
 
 
 def assert_matches_reference(inp, activation, tol=1e-5, final=True):
-    got = run(conv.causal_conv1d, inp, activation, final=final)
+    got = run(conv.causal_conv1d, inp, activation, final=final, device=DEV)
     want = run(reference.causal_conv1d, inp, activation, to=torch.float64, final=final)
     names = ["y", "final_state", "dx", "dweight", "dbias", "dinitial"]
     for name, a, b in zip(names, got, want):
@@ -91,7 +94,7 @@ def test_without_final_state_output_grads_still_match():
 
 
 def test_final_state_of_empty_and_short_sequences_holds_their_initial_state():
-    inp = make_inputs(1, 3, 8, 4, cu=[0, 0, 1, 3])
+    inp = {k: v.to(DEV) for k, v in make_inputs(1, 3, 8, 4, cu=[0, 0, 1, 3]).items() if torch.is_tensor(v)}
     x = inp["buf"][..., 2:10]
     _, fin = conv.causal_conv1d(x, inp["weight"], cu=inp["cu"], initial_state=inp["init"], output_final_state=True)
     assert torch.equal(fin[0], inp["init"][0])                                      # empty: its state unchanged
@@ -100,7 +103,7 @@ def test_final_state_of_empty_and_short_sequences_holds_their_initial_state():
 
 
 def test_no_token_sees_another_sequence():
-    inp = make_inputs(1, 30, 6, 4, cu=[0, 10, 30])
+    inp = {k: v.to(DEV) for k, v in make_inputs(1, 30, 6, 4, cu=[0, 10, 30]).items() if torch.is_tensor(v)}
     x = inp["buf"][..., 2:8]
     y, _ = conv.causal_conv1d(x, inp["weight"], inp["bias"], cu=inp["cu"], initial_state=inp["init"])
     x2 = x.clone()
@@ -138,7 +141,7 @@ def test_strided_view_is_read_in_place(monkeypatch):
 def test_bf16_within_bf16_tolerance():
     inp = make_inputs(1, 100, 16, 4, cu=[0, 2, 37, 100], dtype=torch.bfloat16)
     inp["weight"], inp["bias"], inp["init"] = (inp[k].bfloat16() for k in ("weight", "bias", "init"))
-    got = run(conv.causal_conv1d, inp, "silu")
+    got = run(conv.causal_conv1d, inp, "silu", device=DEV)
     want = run(reference.causal_conv1d, inp, "silu", to=torch.float64)
     for name, a, b in zip(["y", "final_state", "dx", "dweight", "dbias", "dinitial"], got, want):
         assert rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
@@ -149,7 +152,7 @@ def test_bf16_within_bf16_tolerance():
 def test_float64_is_computed_in_float64():
     inp = make_inputs(1, 50, 8, 4, cu=[0, 1, 20, 50], dtype=torch.float64)
     inp["weight"], inp["bias"], inp["init"] = (inp[k].double() for k in ("weight", "bias", "init"))
-    got = run(conv.causal_conv1d, inp, "silu")
+    got = run(conv.causal_conv1d, inp, "silu", device=DEV)
     want = run(reference.causal_conv1d, inp, "silu")
     for name, a, b in zip(["y", "final_state", "dx", "dweight", "dbias", "dinitial"], got, want):
         assert a.dtype == torch.float64 and rel_err(a, b) <= 1e-12, (name, rel_err(a, b))
@@ -157,7 +160,7 @@ def test_float64_is_computed_in_float64():
 
 def test_weight_and_bias_grads_are_deterministic():
     inp = make_inputs(1, 150, 8, 4, cu=[0, 70, 150])
-    first, second = run(conv.causal_conv1d, inp, "silu"), run(conv.causal_conv1d, inp, "silu")
+    first, second = run(conv.causal_conv1d, inp, "silu", device=DEV), run(conv.causal_conv1d, inp, "silu", device=DEV)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
