@@ -123,8 +123,7 @@ def bench(quick):
     ref_ms = do_bench(lambda: reference.causal_conv1d(x, w, b, "silu", cu, init, True), return_mode="median")
     print(f"torch reference forward: {ref_ms:.3f} ms")
     configs = [(conv.BLOCK_T, conv._block_c(C), conv.NUM_WARPS)] if quick else [
-        (32, 32, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (32, 64, 8), (64, 64, 8), (32, 128, 4), (64, 128, 8),
-        (16, 128, 4), (16, 64, 4)]
+        (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 64, 8), (128, 32, 4), (128, 64, 8), (32, 128, 4)]
     rows = []
     for bt, bc, nw in configs:
         conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = bt, (lambda C, bc=bc: bc), nw
