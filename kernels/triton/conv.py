@@ -11,11 +11,11 @@ count-derived argument (``T``, batch strides) a runtime argument in ``do_not_spe
 packed layout compiles nothing:
 
 - ``_conv_fwd_kernel``, grid ``(cdiv(T, BLOCK_T) * B, cdiv(C, BLOCK_C))``: y for a tile of tokens x
-  channels.
+  channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the caches).
 - ``_conv_state_fwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: gathers ``final_state[n]``.
 - ``_conv_bwd_kernel``, same grid as the forward: dx for its tile, plus its partial sums of dweight
   and dbias (summed over the tiles in torch afterwards: deterministic, no atomics). The pre-activation
-  is recomputed from x, nothing is saved by the forward but its inputs.
+  is recomputed from x (at the W shifts each x feeds), nothing is saved by the forward but its inputs.
 - ``_conv_state_bwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: ``d initial_state[n]``.
 
 With ``cu`` (packed, B == 1) each token's sequence index comes from ``torch.searchsorted`` on the
@@ -29,13 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 64
+# Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
+# were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
+BLOCK_T = 32
 NUM_WARPS = 4
-
-
-def _block_t(W: int) -> int:
-    """Tokens a program loads: its outputs plus W-1 of history (and, backward, W-1 of future)."""
-    return max(BLOCK_T, triton.next_power_of_2(4 * (W - 1)))
 
 
 def _block_c(C: int) -> int:
@@ -89,90 +86,41 @@ def _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c, valid, near, cma
     return g
 
 
-@triton.jit
-def _shift(v, row, i: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows of a [BLOCK_T, BLOCK_C] tile moved down by i (row q gets row q - i, clamped to the tile)."""
-    if i == 0:
-        return v
-    idx = tl.minimum(tl.maximum(row - i, 0), BLOCK_T - 1)
-    return tl.gather(v, tl.broadcast_to(idx[:, None], (BLOCK_T, BLOCK_C)), 0)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _rows(seq_idx, cu, t, inside, b, T, IS_VARLEN: tl.constexpr):
-    """Per token t of a tile: (sequence index, position in its sequence, sequence length)."""
-    if IS_VARLEN:  # B == 1
-        n = tl.load(seq_idx + t, mask=inside, other=0).to(tl.int64)
-        s = tl.load(cu + n, mask=inside, other=0)
-        length = tl.load(cu + n + 1, mask=inside, other=0) - s
-        r = t - s
-    else:
-        n = b + tl.zeros_like(t)
-        r = t
-        length = T + tl.zeros_like(t)
-    return n, r, length
-
-
-@triton.jit
-def _tile_tap(xt, init, init_base, r, row, c, valid, near, stride_ic, stride_ik, i: tl.constexpr,
-              W: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Input i positions before each token of the x tile ``xt`` (same sequence only, else its conv state)."""
-    v = tl.where(valid & (r - i >= 0), _shift(xt, row, i, BLOCK_T, BLOCK_C), 0.0)
-    if HAS_INIT:
-        if near:  # channel stride W-1: scalar gathers, only in tiles that hold a sequence's first tokens
-            v += tl.load(init + init_base + c * stride_ic + (W - 1 + r - i) * stride_ik,
-                         mask=valid & (r - i < 0), other=0.0).to(ACC)
-    return v
-
-
-@triton.jit
-def _tile_preact(xt, init, w, bias, init_base, r, row, c, valid, near, cmask,
-                 stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-                 W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    if HAS_BIAS:
-        z = tl.load(bias + c * stride_bc, mask=cmask, other=0.0).to(ACC) + tl.zeros((BLOCK_T, BLOCK_C), ACC)
-    else:
-        z = tl.zeros((BLOCK_T, BLOCK_C), ACC)
-    for i in tl.static_range(W):
-        w_i = tl.load(w + c * stride_wc + (W - 1 - i) * stride_ww, mask=cmask, other=0.0).to(ACC)
-        z += w_i * _tile_tap(xt, init, init_base, r, row, c, valid, near, stride_ic, stride_ik, i,
-                             W, HAS_INIT, ACC, BLOCK_T, BLOCK_C)
-    return z
-
-
 @triton.jit(do_not_specialize=["T", "stride_xb"])
 def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y,
                      T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
                      stride_in, stride_ic, stride_ik,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                      SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """y for OUT_T = BLOCK_T - (W-1) tokens of batch row b and BLOCK_C channels.
+    """y for tokens [tb*BLOCK_T, +BLOCK_T) of batch row b, channels [cb*BLOCK_C, +BLOCK_C).
 
-    The program loads its x tile once, W-1 tokens of history included, and forms the W taps by
-    moving rows inside the tile. Axis 0 folds (b, token block): ``cdiv(T, OUT_T) * B`` programs.
+    Axis 0 folds (b, tb) (``cdiv(T, BLOCK_T) * B`` programs; axes 1 and 2 are capped at 65535).
     """
-    OUT_T: tl.constexpr = BLOCK_T - (W - 1)
     pid = tl.program_id(0)
-    n_tb = tl.cdiv(T, OUT_T)
+    n_tb = tl.cdiv(T, BLOCK_T)
     b = (pid // n_tb).to(tl.int64)
-    row = tl.arange(0, BLOCK_T)
-    t = (pid % n_tb).to(tl.int64) * OUT_T - (W - 1) + row
+    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c2, cm2 = c[None, :], (c < C)[None, :]
-    inside = (t >= 0) & (t < T)
-    out = inside & (row >= W - 1)
-    n, r, _ = _rows(seq_idx, cu, t, inside, b, T, IS_VARLEN)
-    xt = tl.load(x + b * stride_xb + t[:, None] * stride_xt + c2 * stride_xc, mask=inside[:, None] & cm2,
-                 other=0.0).to(ACC)
-    near = tl.min(tl.where(out, r, W)) < W - 1
-    valid = out[:, None] & cm2
-    z = _tile_preact(xt, init, w, bias, (n * stride_in)[:, None], r[:, None], row, c2, valid, near, cm2,
-                     stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, W, HAS_BIAS, HAS_INIT, ACC,
-                     BLOCK_T, BLOCK_C)
+    tmask, cmask = t < T, c < C
+    if IS_VARLEN:  # B == 1; positions are relative to each token's own sequence start
+        n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
+        s = tl.load(cu + n, mask=tmask, other=0)
+        x_base = (s * stride_xt)[:, None]
+        init_base = (n * stride_in)[:, None]
+        r1 = t - s
+    else:
+        x_base = b * stride_xb
+        init_base = b * stride_in
+        r1 = t
+    r = r1[:, None]
+    near = tl.min(tl.where(tmask, r1, W)) < W - 1
+    valid = tmask[:, None] & cmask[None, :]
+    z = _preact(x, init, w, bias, x_base, init_base, r, c[None, :], valid, near, cmask[None, :],
+                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
+                W, HAS_BIAS, HAS_INIT, ACC)
     if SILU:
         z = z / (1.0 + tl.exp(-z))
-    tl.store(y + (b * T + t)[:, None] * C + c2, z.to(y.dtype.element_ty), mask=valid)
+    tl.store(y + (b * T + t)[:, None] * C + c[None, :], z.to(y.dtype.element_ty), mask=valid)
 
 
 @triton.jit(do_not_specialize=["T", "stride_xb"])
@@ -205,53 +153,52 @@ def _conv_bwd_kernel(x, w, bias, init, seq_idx, cu, dy, dfinal, dx, dw_part, db_
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
                      IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx for OUT_T = BLOCK_T - 2(W-1) tokens, and their partial dweight [C, W] / dbias [C] (row pid).
+    """dx for the forward's tile, and this tile's partial dweight [C, W] / dbias [C] (row pid of the parts).
 
-    x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence). The tile spans W-1 tokens
-    of history (for z) and W-1 tokens of future (for dz_{p+j}); z is recomputed from the x tile,
-    dz = dy * silu'(z) formed once and moved row-wise. dfinal adds to each sequence's last W-1 tokens.
-    Axis 0 folds (b, token block): ``cdiv(T, OUT_T) * B`` programs.
+    x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence), so each j recomputes z one
+    shift later; dfinal adds to the last W-1 tokens of each sequence.
     """
-    OUT_T: tl.constexpr = BLOCK_T - 2 * (W - 1)
     pid = tl.program_id(0)
-    n_tb = tl.cdiv(T, OUT_T)
+    n_tb = tl.cdiv(T, BLOCK_T)
     b = (pid // n_tb).to(tl.int64)
-    row = tl.arange(0, BLOCK_T)
-    t = (pid % n_tb).to(tl.int64) * OUT_T - (W - 1) + row
+    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < C
+    tmask, cmask = t < T, c < C
+    if IS_VARLEN:
+        n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
+        s = tl.load(cu + n, mask=tmask, other=0)
+        length1 = tl.load(cu + n + 1, mask=tmask, other=0) - s
+        x_base = (s * stride_xt)[:, None]
+        dy_base = (s * stride_dyt)[:, None]
+        n_row = n[:, None]
+        r1 = t - s
+    else:
+        length1 = T + tl.zeros((BLOCK_T,), tl.int64)
+        x_base = b * stride_xb
+        dy_base = b * stride_dyb
+        n_row = b
+        r1 = t
+    r, length = r1[:, None], length1[:, None]
+    near_start = tl.min(tl.where(tmask, r1, W)) < W - 1
+    near_end = tl.min(tl.where(tmask, length1 - r1, W)) < W
     c2, cm2 = c[None, :], cmask[None, :]
-    inside = (t >= 0) & (t < T)
-    zrow = inside & (row >= W - 1)                 # tokens whose z (and dz) this tile can form
-    own = zrow & (row < BLOCK_T - (W - 1))         # tokens whose dx this program writes
-    n, r1, length1 = _rows(seq_idx, cu, t, inside, b, T, IS_VARLEN)
-    r, length, n_row = r1[:, None], length1[:, None], n[:, None]
+    valid = tmask[:, None] & cm2
     init_base = n_row * stride_in
-    near_start = tl.min(tl.where(zrow, r1, W)) < W - 1
-    near_end = tl.min(tl.where(own, length1 - r1, W)) < W
-    xt = tl.load(x + b * stride_xb + t[:, None] * stride_xt + c2 * stride_xc, mask=inside[:, None] & cm2,
-                 other=0.0).to(ACC)
-    zvalid = zrow[:, None] & cm2
-    dz = tl.load(dy + b * stride_dyb + t[:, None] * stride_dyt + c2 * stride_dyc, mask=zvalid, other=0.0).to(ACC)
-    if SILU:
-        z = _tile_preact(xt, init, w, bias, init_base, r, row, c2, zvalid, near_start, cm2,
-                         stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, W, HAS_BIAS, HAS_INIT, ACC,
-                         BLOCK_T, BLOCK_C)
-        sig = 1.0 / (1.0 + tl.exp(-z))
-        dz = dz * sig * (1.0 + z * (1.0 - sig))
-    valid = own[:, None] & cm2
-    part = pid.to(tl.int64) * C + c
-    dz_own = tl.where(valid, dz, 0.0)
-    if HAS_BIAS:
-        tl.store(db_part + part, tl.sum(dz_own, 0), mask=cmask)
-    for i in tl.static_range(W):
-        tap = _tile_tap(xt, init, init_base, r, row, c2, valid, near_start, stride_ic, stride_ik, i,
-                        W, HAS_INIT, ACC, BLOCK_T, BLOCK_C)
-        tl.store(dw_part + part * W + (W - 1 - i), tl.sum(dz_own * tap, 0), mask=cmask)
     dx_acc = tl.zeros((BLOCK_T, BLOCK_C), ACC)
     for j in tl.static_range(W):
+        dz = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r + j, c2, valid & (r + j < length), near_start, cm2,
+                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+                 W, HAS_BIAS, HAS_INIT, SILU, ACC)
         w_j = tl.load(w + c2 * stride_wc + (W - 1 - j) * stride_ww, mask=cm2, other=0.0).to(ACC)
-        dx_acc += w_j * tl.where(r + j < length, _shift(dz, row, -j, BLOCK_T, BLOCK_C), 0.0)
+        dx_acc += w_j * dz
+        if j == 0:  # dz of this tile's own tokens: its share of dweight and dbias
+            part = pid.to(tl.int64) * C + c
+            if HAS_BIAS:
+                tl.store(db_part + part, tl.sum(dz, 0), mask=cmask)
+            for i in tl.static_range(W):
+                xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near_start, stride_xt, stride_xc, stride_ic, stride_ik,
+                          W, HAS_INIT, ACC)
+                tl.store(dw_part + part * W + (W - 1 - i), tl.sum(dz * xi, 0), mask=cmask)
     if HAS_DFINAL:
         if near_end:
             k = W - 1 - (length - r)  # x_p is final-state entry k when it is among the last W-1 tokens
@@ -339,15 +286,14 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     sin = _strides3(initial_state)
     block_c = _block_c(C)
     if B * T > 0 and C > 0:
-        block_t = _block_t(W)
-        grid = (triton.cdiv(T, block_t - (W - 1)) * B, triton.cdiv(C, block_c))
+        grid = (triton.cdiv(T, BLOCK_T) * B, triton.cdiv(C, block_c))
         _conv_fwd_kernel[grid](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             dummy if cu is None else _seq_index(cu, T, x.device), dummy if cu is None else cu, y,
             T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
-            SILU=silu, ACC=acc, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=NUM_WARPS)
+            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS)
     final = None
     if output_final_state:
         final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
@@ -374,8 +320,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     acc = tl.float64 if dt == torch.float64 else tl.float32
     silu = activation in ("silu", "swish")
     block_c = _block_c(C)
-    block_t = _block_t(W)
-    n_prog = triton.cdiv(T, block_t - 2 * (W - 1)) * B
+    n_prog = triton.cdiv(T, BLOCK_T) * B
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     dw_part = torch.zeros(n_prog, C, W, dtype=dt, device=x.device)
     db_part = torch.zeros(n_prog, C, dtype=dt, device=x.device)
@@ -390,7 +335,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     if n_prog > 0 and C > 0:
         _conv_bwd_kernel[(n_prog, triton.cdiv(C, block_c))](
             x, *args, dummy if cu is None else _seq_index(cu, T, x.device), cu_arg, dy, df_arg,
-            dx, dw_part, db_part, *strides, HAS_INIT=initial_state is not None, BLOCK_T=block_t, **common)
+            dx, dw_part, db_part, *strides, HAS_INIT=initial_state is not None, BLOCK_T=BLOCK_T, **common)
     dinit = None
     if initial_state is not None:
         dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)
