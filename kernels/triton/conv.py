@@ -1,0 +1,376 @@
+"""Varlen depthwise causal conv1d (+ SiLU) with conv states: Triton forward, backward and autograd.
+
+Math (per sequence n of a pack, channel c, ``W`` taps, ``xin`` = the sequence preceded by its
+conv state ``initial_state[n]``, zeros when None)::
+
+    z_t = bias_c + sum_{i=0}^{W-1} weight[c, W-1-i] * xin_{t-i}        y_t = silu(z_t) or z_t
+    final_state[n] = the last W-1 entries of [initial_state[n] | x_n]     (oldest first)
+
+Four kernels, all with one fixed config (block sizes from C and W only) and every length- or
+count-derived argument (``T``, batch strides) a runtime argument in ``do_not_specialize``, so a new
+packed layout compiles nothing:
+
+- ``_conv_fwd_kernel``, grid ``(cdiv(T, BLOCK_T) * B, cdiv(C, BLOCK_C))``: y for a tile of tokens x
+  channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the caches).
+- ``_conv_state_fwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: gathers ``final_state[n]``.
+- ``_conv_bwd_kernel``, same grid as the forward: dx for its tile, plus its partial sums of dweight
+  and dbias (summed over the tiles in torch afterwards: deterministic, no atomics). The pre-activation
+  is recomputed from x (at the W shifts each x feeds), nothing is saved by the forward but its inputs.
+- ``_conv_state_bwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: ``d initial_state[n]``.
+
+With ``cu`` (packed, B == 1) each token's sequence index comes from ``torch.searchsorted`` on the
+device (no host sync). x is read in place through its strides (typically a channel slice of a wider
+buffer); y and dx come back contiguous. Math in fp32, or in float64 when any input is float64.
+The kernels use no CUDA-only intrinsics and run under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
+# were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
+BLOCK_T = 32
+NUM_WARPS = 4
+
+
+def _block_c(C: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(C)))
+
+
+@triton.jit
+def _tap(x, init, x_base, init_base, r, c, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
+         W: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
+    """Input at position r of a sequence (r < 0: its conv state entry W-1+r); 0 where not valid.
+
+    The state is read only when ``near`` (the block holds a position < 0): its channel stride is
+    W-1, so these are scalar gathers that would otherwise cost more than the whole x tile.
+    """
+    v = tl.load(x + x_base + r * stride_xt + c * stride_xc, mask=valid & (r >= 0), other=0.0).to(ACC)
+    if HAS_INIT:
+        if near:
+            k = W - 1 + r
+            v += tl.load(init + init_base + c * stride_ic + k * stride_ik, mask=valid & (r < 0), other=0.0).to(ACC)
+    return v
+
+
+@triton.jit
+def _preact(x, init, w, bias, x_base, init_base, r, c, valid, near, cmask,
+            stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
+            W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
+    """Pre-activation z at position r of a sequence."""
+    if HAS_BIAS:
+        z = tl.load(bias + c * stride_bc, mask=cmask, other=0.0).to(ACC) + tl.zeros(valid.shape, ACC)
+    else:
+        z = tl.zeros(valid.shape, ACC)
+    for i in tl.static_range(W):
+        w_i = tl.load(w + c * stride_wc + (W - 1 - i) * stride_ww, mask=cmask, other=0.0).to(ACC)
+        z += w_i * _tap(x, init, x_base, init_base, r - i, c, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
+                        W, HAS_INIT, ACC)
+    return z
+
+
+@triton.jit
+def _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c, valid, near, cmask,
+        stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+        W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
+    """Gradient of the pre-activation at position r of a sequence; 0 where not valid."""
+    g = tl.load(dy + dy_base + r * stride_dyt + c * stride_dyc, mask=valid, other=0.0).to(ACC)
+    if SILU:
+        z = _preact(x, init, w, bias, x_base, init_base, r, c, valid, near, cmask,
+                    stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
+                    W, HAS_BIAS, HAS_INIT, ACC)
+        sig = 1.0 / (1.0 + tl.exp(-z))
+        g = g * sig * (1.0 + z * (1.0 - sig))
+    return g
+
+
+@triton.jit(do_not_specialize=["T", "stride_xb"])
+def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y,
+                     T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+                     stride_in, stride_ic, stride_ik,
+                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y for tokens [tb*BLOCK_T, +BLOCK_T) of batch row b, channels [cb*BLOCK_C, +BLOCK_C).
+
+    Axis 0 folds (b, tb) (``cdiv(T, BLOCK_T) * B`` programs; axes 1 and 2 are capped at 65535).
+    """
+    pid = tl.program_id(0)
+    n_tb = tl.cdiv(T, BLOCK_T)
+    b = (pid // n_tb).to(tl.int64)
+    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tmask, cmask = t < T, c < C
+    if IS_VARLEN:  # B == 1; positions are relative to each token's own sequence start
+        n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
+        s = tl.load(cu + n, mask=tmask, other=0)
+        x_base = (s * stride_xt)[:, None]
+        init_base = (n * stride_in)[:, None]
+        r1 = t - s
+    else:
+        x_base = b * stride_xb
+        init_base = b * stride_in
+        r1 = t
+    r = r1[:, None]
+    near = tl.min(tl.where(tmask, r1, W)) < W - 1
+    valid = tmask[:, None] & cmask[None, :]
+    z = _preact(x, init, w, bias, x_base, init_base, r, c[None, :], valid, near, cmask[None, :],
+                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
+                W, HAS_BIAS, HAS_INIT, ACC)
+    if SILU:
+        z = z / (1.0 + tl.exp(-z))
+    tl.store(y + (b * T + t)[:, None] * C + c[None, :], z.to(y.dtype.element_ty), mask=valid)
+
+
+@triton.jit(do_not_specialize=["T", "stride_xb"])
+def _conv_state_fwd_kernel(x, init, cu, final, T, C, stride_xb, stride_xt, stride_xc, stride_in, stride_ic, stride_ik,
+                           W: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """final_state[n, c, k] for one sequence n and a block of channels (all W-1 entries k)."""
+    n = tl.program_id(0).to(tl.int64)
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[:, None]
+    k = tl.arange(0, BLOCK_K)[None, :]
+    if IS_VARLEN:
+        s = tl.load(cu + n)
+        length = tl.load(cu + n + 1) - s
+        x_base = s * stride_xt
+    else:
+        length = T + tl.zeros((), tl.int64)
+        x_base = n * stride_xb
+    # entry k is input W-1+k-... of [init | x_n]: relative position length-(W-1)+k (< 0: still in init)
+    valid = (c < C) & (k < W - 1)
+    v = _tap(x, init, x_base, n * stride_in, length - (W - 1) + k, c, valid, True, stride_xt, stride_xc, stride_ic, stride_ik,
+             W, HAS_INIT, ACC)
+    tl.store(final + (n * C + c) * (W - 1) + k, v, mask=valid)
+
+
+@triton.jit(do_not_specialize=["T", "stride_xb", "stride_dyb"])
+def _conv_bwd_kernel(x, w, bias, init, seq_idx, cu, dy, dfinal, dx, dw_part, db_part,
+                     T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+                     stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
+                     stride_dfn, stride_dfc, stride_dfk,
+                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx for the forward's tile, and this tile's partial dweight [C, W] / dbias [C] (row pid of the parts).
+
+    x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence), so each j recomputes z one
+    shift later; dfinal adds to the last W-1 tokens of each sequence.
+    """
+    pid = tl.program_id(0)
+    n_tb = tl.cdiv(T, BLOCK_T)
+    b = (pid // n_tb).to(tl.int64)
+    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tmask, cmask = t < T, c < C
+    if IS_VARLEN:
+        n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
+        s = tl.load(cu + n, mask=tmask, other=0)
+        length1 = tl.load(cu + n + 1, mask=tmask, other=0) - s
+        x_base = (s * stride_xt)[:, None]
+        dy_base = (s * stride_dyt)[:, None]
+        n_row = n[:, None]
+        r1 = t - s
+    else:
+        length1 = T + tl.zeros((BLOCK_T,), tl.int64)
+        x_base = b * stride_xb
+        dy_base = b * stride_dyb
+        n_row = b
+        r1 = t
+    r, length = r1[:, None], length1[:, None]
+    near_start = tl.min(tl.where(tmask, r1, W)) < W - 1
+    near_end = tl.min(tl.where(tmask, length1 - r1, W)) < W
+    c2, cm2 = c[None, :], cmask[None, :]
+    valid = tmask[:, None] & cm2
+    init_base = n_row * stride_in
+    dx_acc = tl.zeros((BLOCK_T, BLOCK_C), ACC)
+    for j in tl.static_range(W):
+        dz = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r + j, c2, valid & (r + j < length), near_start, cm2,
+                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+                 W, HAS_BIAS, HAS_INIT, SILU, ACC)
+        w_j = tl.load(w + c2 * stride_wc + (W - 1 - j) * stride_ww, mask=cm2, other=0.0).to(ACC)
+        dx_acc += w_j * dz
+        if j == 0:  # dz of this tile's own tokens: its share of dweight and dbias
+            part = pid.to(tl.int64) * C + c
+            if HAS_BIAS:
+                tl.store(db_part + part, tl.sum(dz, 0), mask=cmask)
+            for i in tl.static_range(W):
+                xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near_start, stride_xt, stride_xc, stride_ic, stride_ik,
+                          W, HAS_INIT, ACC)
+                tl.store(dw_part + part * W + (W - 1 - i), tl.sum(dz * xi, 0), mask=cmask)
+    if HAS_DFINAL:
+        if near_end:
+            k = W - 1 - (length - r)  # x_p is final-state entry k when it is among the last W-1 tokens
+            dx_acc += tl.load(dfinal + n_row * stride_dfn + c2 * stride_dfc + k * stride_dfk,
+                              mask=valid & (k >= 0), other=0.0).to(ACC)
+    tl.store(dx + (b * T + t)[:, None] * C + c2, dx_acc.to(dx.dtype.element_ty), mask=valid)
+
+
+@triton.jit(do_not_specialize=["T", "stride_xb", "stride_dyb"])
+def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dfinal, dinit,
+                           T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+                           stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
+                           stride_dfn, stride_dfc, stride_dfk,
+                           W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                           IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """d initial_state[n, c, k] for one sequence n and a block of channels (all W-1 entries k).
+
+    Entry k sits at relative position k-(W-1) and feeds z_{k-(W-1)+j} through weight[:, W-1-j] while
+    that token exists; it is also final-state entry k-length when the sequence is shorter than W-1-k.
+    """
+    n = tl.program_id(0).to(tl.int64)
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[:, None]
+    k = tl.arange(0, BLOCK_K)[None, :]
+    cmask = c < C
+    if IS_VARLEN:
+        s = tl.load(cu + n)
+        length = tl.load(cu + n + 1) - s
+        x_base = s * stride_xt
+        dy_base = s * stride_dyt
+    else:
+        length = T + tl.zeros((), tl.int64)
+        x_base = n * stride_xb
+        dy_base = n * stride_dyb
+    kvalid = cmask & (k < W - 1)
+    r = k - (W - 1)
+    init_base = n * stride_in
+    acc = tl.zeros((BLOCK_C, BLOCK_K), ACC)
+    for j in tl.static_range(W):
+        rt = r + j
+        dz = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, rt, c, kvalid & (rt >= 0) & (rt < length), True, cmask,
+                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+                 W, HAS_BIAS, True, SILU, ACC)
+        w_j = tl.load(w + c * stride_wc + (W - 1 - j) * stride_ww, mask=cmask, other=0.0).to(ACC)
+        acc += w_j * dz
+    if HAS_DFINAL:
+        kf = k - length
+        acc += tl.load(dfinal + n * stride_dfn + c * stride_dfc + kf * stride_dfk,
+                       mask=kvalid & (kf >= 0), other=0.0).to(ACC)
+    tl.store(dinit + (n * C + c) * (W - 1) + k, acc.to(dinit.dtype.element_ty), mask=kvalid)
+
+
+def _compute_dtype(*tensors):
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _seq_index(cu, T, device):
+    """Per-token sequence index of a pack (the last n with cu[n] <= t: empty segments are skipped), on device."""
+    if cu is None:
+        return None
+    return torch.searchsorted(cu, torch.arange(T, device=device, dtype=cu.dtype), right=True, out_int32=True) - 1
+
+
+def _strides3(t):
+    return (0, 0, 0) if t is None else t.stride()
+
+
+def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state):
+    """Forward launcher (inputs already validated).
+
+    Args: x ``[B, T, C]`` (any strides; read in place), weight ``[C, W]``, bias ``[C]`` or None,
+    cu int64 ``[N + 1]`` on x's device (B == 1) or None, initial_state ``[N, C, W - 1]`` or None,
+    activation ``"silu"``/``"swish"`` or None/``"identity"``.
+    Returns ``(y [B, T, C] contiguous in x's dtype, final_state [N, C, W - 1] fp32 (float64 when
+    any input is float64) or None)``.
+    """
+    B, T, C = x.shape
+    W = weight.shape[1]
+    N = B if cu is None else cu.shape[0] - 1
+    dt = _compute_dtype(x, weight, bias, initial_state)
+    acc = tl.float64 if dt == torch.float64 else tl.float32
+    silu = activation in ("silu", "swish")
+    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    dummy = x
+    sin = _strides3(initial_state)
+    block_c = _block_c(C)
+    if B * T > 0 and C > 0:
+        grid = (triton.cdiv(T, BLOCK_T) * B, triton.cdiv(C, block_c))
+        _conv_fwd_kernel[grid](
+            x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
+            dummy if cu is None else _seq_index(cu, T, x.device), dummy if cu is None else cu, y,
+            T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+            0 if bias is None else bias.stride(0), *sin,
+            W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
+            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS)
+    final = None
+    if output_final_state:
+        final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
+        if final.numel() > 0:
+            _conv_state_fwd_kernel[(N, triton.cdiv(C, block_c))](
+                x, dummy if initial_state is None else initial_state, dummy if cu is None else cu, final,
+                T, C, x.stride(0), x.stride(1), x.stride(2), *sin,
+                W=W, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None, ACC=acc,
+                BLOCK_K=triton.next_power_of_2(W - 1), BLOCK_C=block_c)
+    return y, final
+
+
+def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation):
+    """Backward launcher: ``(dx, dweight, dbias, dinitial)``, each in its input's dtype.
+
+    dy ``[B, T, C]`` and dfinal ``[N, C, W - 1]`` (or None) may have any strides. dbias is None
+    without bias, dinitial None without initial_state. dweight and dbias are per-tile partial sums
+    reduced in torch (deterministic).
+    """
+    B, T, C = x.shape
+    W = weight.shape[1]
+    N = B if cu is None else cu.shape[0] - 1
+    dt = _compute_dtype(x, weight, bias, initial_state)
+    acc = tl.float64 if dt == torch.float64 else tl.float32
+    silu = activation in ("silu", "swish")
+    block_c = _block_c(C)
+    n_prog = triton.cdiv(T, BLOCK_T) * B
+    dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    dw_part = torch.zeros(n_prog, C, W, dtype=dt, device=x.device)
+    db_part = torch.zeros(n_prog, C, dtype=dt, device=x.device)
+    dummy = x
+    sin, sdf = _strides3(initial_state), _strides3(dfinal)
+    common = dict(W=W, HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, IS_VARLEN=cu is not None,
+                  SILU=silu, ACC=acc, BLOCK_C=block_c, num_warps=NUM_WARPS)
+    args = (weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state)
+    cu_arg, df_arg = (dummy if cu is None else cu), (dummy if dfinal is None else dfinal)
+    strides = (T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+               0 if bias is None else bias.stride(0), *sin, *dy.stride(), *sdf)
+    if n_prog > 0 and C > 0:
+        _conv_bwd_kernel[(n_prog, triton.cdiv(C, block_c))](
+            x, *args, dummy if cu is None else _seq_index(cu, T, x.device), cu_arg, dy, df_arg,
+            dx, dw_part, db_part, *strides, HAS_INIT=initial_state is not None, BLOCK_T=BLOCK_T, **common)
+    dinit = None
+    if initial_state is not None:
+        dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)
+        if dinit.numel() > 0:
+            _conv_state_bwd_kernel[(N, triton.cdiv(C, block_c))](
+                x, *args, cu_arg, dy, df_arg, dinit, *strides, BLOCK_K=triton.next_power_of_2(W - 1), **common)
+    dweight = dw_part.sum(0).to(weight.dtype)
+    dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
+    return dx, dweight, dbias, dinit
+
+
+class CausalConv1dFunction(torch.autograd.Function):
+    """Ties ``causal_conv1d_fwd`` and ``causal_conv1d_bwd``; saves only the inputs (x as the view it came as)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, cu, initial_state, activation, output_final_state):
+        y, final = causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state)
+        ctx.save_for_backward(x, weight, bias, cu, initial_state)
+        ctx.activation = activation
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, weight, bias, cu, initial_state = ctx.saved_tensors
+        dx, dweight, dbias, dinit = causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, ctx.activation)
+        return dx, dweight, dbias, None, dinit, None, None
+
+
+def causal_conv1d(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
+    """Depthwise causal conv1d (+ SiLU) over packed sequences, differentiable; the contract of
+    ``kernels.reference.causal_conv1d`` (inputs already validated).
+
+    x ``[B, T, C]`` bf16/fp16/fp32/fp64 with unit channel stride (any other strides, read in place),
+    weight ``[C, W]``, bias ``[C]`` or None, cu int64 ``[N + 1]`` (B == 1) or None, initial_state
+    ``[N, C, W - 1]`` or None. Returns ``(y [B, T, C] in x's dtype, final_state [N, C, W - 1] or
+    None)``; math and final state in fp32 (float64 when any input is float64).
+    """
+    return CausalConv1dFunction.apply(x, weight, bias, cu, initial_state, activation, output_final_state)

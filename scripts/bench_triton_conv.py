@@ -1,0 +1,143 @@
+"""GPU check and timing of the Triton causal conv1d (kernels/triton/conv.py). Needs CUDA.
+
+    python3 scripts/bench_triton_conv.py [--quick]
+
+1. compiled variants stay fixed across packed layouts (T, N, lengths) once each flag combination ran;
+2. forward + backward make no host sync (torch.cuda.set_sync_debug_mode("error"));
+3. offsets past 2**31 elements (a [1, T, C + extra] receive buffer of > 2**31 elements) are right;
+4. forward / backward times (median of triton.testing.do_bench) on a Qwen3-Next-like conv
+   (C = 8192, W = 4, bf16, 32k packed tokens, x a channel slice of a wider buffer), per block config,
+   against the bytes each must move at the measured copy bandwidth.
+"""
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from gdn_layer.kernels import reference
+from gdn_layer.kernels.triton import conv
+
+
+def rel_err(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def compiled_count():
+    total = 0
+    for fn in (conv._conv_fwd_kernel, conv._conv_state_fwd_kernel, conv._conv_bwd_kernel, conv._conv_state_bwd_kernel):
+        total += sum(len(v[0]) for v in fn.device_caches.values())
+    return total
+
+
+def random_cu(T, n, g):
+    cuts = torch.sort(torch.randint(0, T + 1, (n - 1,), generator=g)).values
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([T])]).cuda()
+
+
+def fwd_bwd(x, w, b, cu, init, act="silu"):
+    y, fin = conv.causal_conv1d(x, w, b, act, cu, init, True)
+    (y.float().sum() + fin.sum()).backward()
+
+
+def check_recompiles_and_syncs():
+    g = torch.Generator().manual_seed(0)
+    C, W = 256, 4
+    w = torch.randn(C, W, device="cuda", requires_grad=True)
+    b = torch.randn(C, device="cuda", requires_grad=True)
+    layouts = [(T, n) for T in (1, 7, 64, 300, 4097) for n in (1, 3, 17)]
+    for step, (T, n) in enumerate(layouts):
+        buf = torch.randn(1, T, C + 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        init = torch.randn(n, C, W - 1, device="cuda", requires_grad=True)
+        cu = random_cu(T, n, g)
+        torch.cuda.set_sync_debug_mode("error")
+        fwd_bwd(buf[..., :C], w, b, cu, init)
+        fwd_bwd(buf[..., :C], w, b, None, None)  # B = 1 without cu
+        torch.cuda.set_sync_debug_mode("default")
+        if step == 0:
+            first = compiled_count()
+    print(f"compiled variants after the first layout: {first}, after {len(layouts)} layouts: {compiled_count()}")
+    assert compiled_count() == first, "a new layout compiled a new variant"
+    print("no host sync in forward + backward (sync debug mode 'error')")
+
+
+def check_against_reference():
+    g = torch.Generator().manual_seed(1)
+    for T, n, W, dt, tol in ((4097, 9, 4, torch.float32, 1e-5), (300, 5, 2, torch.float32, 1e-5),
+                             (4097, 9, 4, torch.bfloat16, 1e-2)):
+        C = 200
+        buf = torch.randn(1, T, C + 24, generator=g).to(dt)
+        w, b = torch.randn(C, W, generator=g).to(dt), torch.randn(C, generator=g).to(dt)
+        init = torch.randn(n, C, W - 1, generator=g).to(dt)
+        cu = random_cu(T, n, g).cpu()
+        gy, gf = torch.randn(1, T, C, generator=g), torch.randn(n, C, W - 1, generator=g)
+        outs = []
+        for fn, dev, cast in ((conv.causal_conv1d, "cuda", None), (reference.causal_conv1d, "cpu", torch.float64)):
+            leaves = [t.to(dev, cast or t.dtype).requires_grad_() for t in (buf, w, b, init)]
+            y, fin = fn(leaves[0][..., 8:8 + C], leaves[1], leaves[2], "silu", cu.to(dev), leaves[3], True)
+            ((y.double() * gy.to(dev).double()).sum() + (fin.double() * gf.to(dev).double()).sum()).backward()
+            outs.append([y, fin] + [t.grad for t in leaves])
+        errs = [rel_err(a, r) for a, r in zip(*outs)]
+        print(f"T={T} N={n} W={W} {dt}: rel err y, final, dx, dw, db, dinit = " + " ".join(f"{e:.1e}" for e in errs))
+        assert max(errs) <= tol
+
+
+def check_int64_offsets():
+    C, extra, W = 4096, 64, 4
+    T = 2 ** 31 // (C + extra) + 3000  # the receive buffer holds more than 2**31 elements
+    buf = torch.randn(1, T, C + extra, device="cuda", dtype=torch.bfloat16)
+    x = buf[..., :C]
+    w = torch.randn(C, W, device="cuda")
+    cu = torch.tensor([0, T - 2500, T - 20, T], device="cuda")
+    init = torch.randn(3, C, W - 1, device="cuda")
+    y, fin = conv.causal_conv1d(x, w, None, "silu", cu, init, True)
+    dy = torch.randn(1, T, C, device="cuda", dtype=torch.bfloat16)
+    dx, dw, _, dinit = conv.causal_conv1d_bwd(dy, None, x, w, None, cu, init, "silu")
+    tail = slice(T - 2500, T)
+    xs = x[:, tail].double().cpu().requires_grad_()
+    ws, cs, inits = w.double().cpu().requires_grad_(), (cu[1:] - cu[1]).cpu(), init[1:].double().cpu().requires_grad_()
+    y_ref, fin_ref = reference.causal_conv1d(xs, ws, None, "silu", cs, inits, True)
+    (y_ref * dy[:, tail].double().cpu()).sum().backward()
+    errs = [rel_err(y[:, tail], y_ref), rel_err(fin[1:], fin_ref), rel_err(dx[:, tail], xs.grad),
+            rel_err(dinit[1:], inits.grad)]
+    print(f"past 2**31 elements (T={T}, buffer {buf.numel() / 2 ** 31:.2f} * 2**31): rel err y, final, dx, dinit = "
+          + " ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) <= 1e-2
+    del buf, x, y, dx, dy
+
+
+def bench(quick):
+    C, W, T, extra = 8192, 4, 32768, 2048
+    buf = torch.randn(1, T, C + extra, device="cuda", dtype=torch.bfloat16)
+    x = buf[..., :C]
+    w, b = torch.randn(C, W, device="cuda"), torch.randn(C, device="cuda")
+    cu = torch.tensor([0, 3000, 3001, 11000, 20000, 20000, 32768], device="cuda")
+    init = torch.randn(6, C, W - 1, device="cuda")
+    dy = torch.randn(1, T, C, device="cuda", dtype=torch.bfloat16)
+    big = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    copy_ms = do_bench(lambda: big.clone(), return_mode="median")
+    bw = 2 * big.numel() / copy_ms / 1e9  # TB/s, read + write
+    fwd_bytes, bwd_bytes = 2 * T * C * 2, 3 * T * C * 2
+    print(f"copy bandwidth {bw:.2f} TB/s; floors: fwd {fwd_bytes / bw / 1e9:.3f} ms, bwd {bwd_bytes / bw / 1e9:.3f} ms")
+    ref_ms = do_bench(lambda: reference.causal_conv1d(x, w, b, "silu", cu, init, True), return_mode="median")
+    print(f"torch reference forward: {ref_ms:.3f} ms")
+    configs = [(conv.BLOCK_T, conv._block_c(C), conv.NUM_WARPS)] if quick else [
+        (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 64, 8), (128, 32, 4), (128, 64, 8), (32, 128, 4)]
+    rows = []
+    for bt, bc, nw in configs:
+        conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = bt, (lambda C, bc=bc: bc), nw
+        f = do_bench(lambda: conv.causal_conv1d_fwd(x, w, b, cu, init, "silu", True), return_mode="median")
+        bw_ms = do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu"), return_mode="median")
+        rows.append((bt, bc, nw, f, bw_ms))
+    print("BLOCK_T BLOCK_C warps   fwd ms  (GB/s)   bwd ms  (GB/s)")
+    for bt, bc, nw, f, bw_ms in sorted(rows, key=lambda r: r[3] + r[4]):
+        print(f"{bt:7d} {bc:7d} {nw:5d} {f:8.3f} {fwd_bytes / f / 1e6:7.0f} {bw_ms:8.3f} {bwd_bytes / bw_ms / 1e6:7.0f}")
+
+
+if __name__ == "__main__":
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    check_against_reference()
+    check_recompiles_and_syncs()
+    check_int64_offsets()
+    bench("--quick" in sys.argv)

@@ -1,0 +1,173 @@
+"""The Triton causal conv1d (kernels/triton/conv.py) against the torch reference, under the interpreter on CPU.
+
+Every comparison draws random inputs and upstream grads (for y and for the final state) and checks
+outputs, final states and the grads of x, weight, bias and initial_state. The oracle is the torch
+reference run in float64 on the CPU on the same values; fp32 results must be within 1e-5 of it.
+Where CUDA is present the kernels run compiled on it instead of under the interpreter.
+"""
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+from gdn_layer.kernels import reference
+from gdn_layer.kernels.triton import conv
+
+SCAN_TOOL = pathlib.Path("/work/shared/tools/scan_triton.py")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def make_inputs(B, T, C, W, cu=None, init=True, bias=True, dtype=torch.float32, extra=5, seed=0):
+    """x as a channel slice of a wider [B, T, C + extra] buffer (how the layer hands it over)."""
+    g = torch.Generator().manual_seed(seed)
+    N = B if cu is None else len(cu) - 1
+    buf = torch.randn(B, T, C + extra, generator=g).to(dtype)
+    return dict(buf=buf, off=2, C=C,
+                weight=torch.randn(C, W, generator=g) / W ** 0.5,
+                bias=torch.randn(C, generator=g) if bias else None,
+                cu=None if cu is None else torch.tensor(cu, dtype=torch.int64),
+                init=torch.randn(N, C, W - 1, generator=g) if init else None,
+                gy=torch.randn(B, T, C, generator=g), gf=torch.randn(N, C, W - 1, generator=g))
+
+
+def run(fn, inp, activation, to=None, final=True, device="cpu"):
+    """Forward + backward of ``fn`` on ``device``; returns (y, final, grads of x, weight, bias, initial_state)."""
+    cast = (lambda t: t.to(device)) if to is None else (lambda t: t.to(device, to))
+    buf = cast(inp["buf"]).clone().requires_grad_()
+    x = buf[..., inp["off"]:inp["off"] + inp["C"]]
+    leaves = [cast(inp[k]).clone().requires_grad_() if inp[k] is not None else None
+              for k in ("weight", "bias", "init")]
+    cu = None if inp["cu"] is None else inp["cu"].to(device)
+    y, fin = fn(x, leaves[0], leaves[1], activation, cu, leaves[2], final)
+    loss = (y.double() * inp["gy"].to(device).double()).sum()
+    if final:
+        loss = loss + (fin.double() * inp["gf"].to(device).double()).sum()
+    grads = torch.autograd.grad(loss, [buf] + [t for t in leaves if t is not None])
+    gx = grads[0][..., inp["off"]:inp["off"] + inp["C"]]
+    rest = iter(grads[1:])
+    return [y, fin, gx] + [next(rest) if t is not None else None for t in leaves]
+
+
+def assert_matches_reference(inp, activation, tol=1e-5, final=True):
+    got = run(conv.causal_conv1d, inp, activation, final=final, device=DEV)
+    want = run(reference.causal_conv1d, inp, activation, to=torch.float64, final=final)
+    names = ["y", "final_state", "dx", "dweight", "dbias", "dinitial"]
+    for name, a, b in zip(names, got, want):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert rel_err(a, b) <= tol, (name, rel_err(a, b))
+    y, fin, dx, dw, db, dinit = got
+    assert y.dtype == inp["buf"].dtype and y.is_contiguous()
+    assert dx.dtype == inp["buf"].dtype and dw.dtype == inp["weight"].dtype
+    if final:
+        assert fin.dtype == torch.float32
+    return got
+
+
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("T", [1, 2, 3, 63, 64, 65])
+@pytest.mark.parametrize("init,bias,act", [(True, True, "silu"), (False, False, None)])
+def test_batch_without_cu_matches_reference(T, W, init, bias, act):
+    assert_matches_reference(make_inputs(2, T, 12, W, init=init, bias=bias), act)
+
+
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("cu", [[0, 0, 1, 3, 3, 64, 65, 130], [0, 130], [0, 2, 2, 2, 70, 71, 130, 130]])
+@pytest.mark.parametrize("init,act", [(True, "silu"), (False, "identity"), (True, None)])
+def test_packed_with_empty_and_short_sequences_matches_reference(cu, W, init, act):
+    """Segments of length 0, 1 and 2 (< W-1 for W = 4) and sequences straddling the 64-token tiles."""
+    assert_matches_reference(make_inputs(1, 130, 10, W, cu=cu, init=init, seed=len(cu) + W), act)
+
+
+def test_wide_channels_span_several_channel_blocks():
+    assert_matches_reference(make_inputs(1, 70, 72, 3, cu=[0, 5, 70], seed=3), "swish")
+
+
+def test_without_final_state_output_grads_still_match():
+    assert_matches_reference(make_inputs(1, 40, 8, 4, cu=[0, 1, 17, 40]), "silu", final=False)
+
+
+def test_final_state_of_empty_and_short_sequences_holds_their_initial_state():
+    inp = {k: v.to(DEV) for k, v in make_inputs(1, 3, 8, 4, cu=[0, 0, 1, 3]).items() if torch.is_tensor(v)}
+    x = inp["buf"][..., 2:10]
+    _, fin = conv.causal_conv1d(x, inp["weight"], cu=inp["cu"], initial_state=inp["init"], output_final_state=True)
+    assert torch.equal(fin[0], inp["init"][0])                                      # empty: its state unchanged
+    assert torch.equal(fin[1], torch.cat([inp["init"][1][:, 1:], x[0, 0:1].T], 1))  # one token: 2 of its state
+    assert torch.equal(fin[2], torch.cat([inp["init"][2][:, 2:], x[0, 1:3].T], 1))
+
+
+def test_no_token_sees_another_sequence():
+    inp = {k: v.to(DEV) for k, v in make_inputs(1, 30, 6, 4, cu=[0, 10, 30]).items() if torch.is_tensor(v)}
+    x = inp["buf"][..., 2:8]
+    y, _ = conv.causal_conv1d(x, inp["weight"], inp["bias"], cu=inp["cu"], initial_state=inp["init"])
+    x2 = x.clone()
+    x2[0, 9] += 5.0  # the last token of sequence 0
+    y2, _ = conv.causal_conv1d(x2, inp["weight"], inp["bias"], cu=inp["cu"], initial_state=inp["init"])
+    assert torch.equal(y[0, 10:], y2[0, 10:]) and not torch.equal(y[0, 9], y2[0, 9])
+
+
+class _Spy:
+    """Stands in for a Triton kernel: records the tensors each launch receives, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(args)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_strided_view_is_read_in_place(monkeypatch):
+    fwd, bwd = _Spy(conv._conv_fwd_kernel), _Spy(conv._conv_bwd_kernel)
+    monkeypatch.setattr(conv, "_conv_fwd_kernel", fwd)
+    monkeypatch.setattr(conv, "_conv_bwd_kernel", bwd)
+    inp = make_inputs(2, 33, 8, 4, extra=9)
+    got = assert_matches_reference(inp, "silu")
+    assert len(fwd.calls) == 1 and len(bwd.calls) == 1
+    for (x_arg, *_), in ((fwd.calls[0],), (bwd.calls[0],)):
+        assert not x_arg.is_contiguous() and x_arg.stride() == (33 * 17, 17, 1)
+        assert x_arg.shape == (2, 33, 8) and x_arg.untyped_storage().nbytes() == 2 * 33 * 17 * 4
+    assert got[2].shape == (2, 33, 8)
+
+
+def test_bf16_within_bf16_tolerance():
+    inp = make_inputs(1, 100, 16, 4, cu=[0, 2, 37, 100], dtype=torch.bfloat16)
+    inp["weight"], inp["bias"], inp["init"] = (inp[k].bfloat16() for k in ("weight", "bias", "init"))
+    got = run(conv.causal_conv1d, inp, "silu", device=DEV)
+    want = run(reference.causal_conv1d, inp, "silu", to=torch.float64)
+    for name, a, b in zip(["y", "final_state", "dx", "dweight", "dbias", "dinitial"], got, want):
+        assert rel_err(a, b) <= 1e-2, (name, rel_err(a, b))
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+    assert all(g.dtype == torch.bfloat16 for g in got[2:])
+
+
+def test_float64_is_computed_in_float64():
+    inp = make_inputs(1, 50, 8, 4, cu=[0, 1, 20, 50], dtype=torch.float64)
+    inp["weight"], inp["bias"], inp["init"] = (inp[k].double() for k in ("weight", "bias", "init"))
+    got = run(conv.causal_conv1d, inp, "silu", device=DEV)
+    want = run(reference.causal_conv1d, inp, "silu")
+    for name, a, b in zip(["y", "final_state", "dx", "dweight", "dbias", "dinitial"], got, want):
+        assert a.dtype == torch.float64 and rel_err(a, b) <= 1e-12, (name, rel_err(a, b))
+
+
+def test_weight_and_bias_grads_are_deterministic():
+    inp = make_inputs(1, 150, 8, 4, cu=[0, 70, 150])
+    first, second = run(conv.causal_conv1d, inp, "silu", device=DEV), run(conv.causal_conv1d, inp, "silu", device=DEV)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.skipif(not SCAN_TOOL.exists(), reason=f"{SCAN_TOOL} not present")
+def test_no_length_is_specialised(capsys):
+    spec = importlib.util.spec_from_file_location("scan_triton", SCAN_TOOL)
+    scan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scan)
+    assert scan.main(str(pathlib.Path(conv.__file__).parent)) == 0, capsys.readouterr().out
+    assert ", violations: 0" in capsys.readouterr().out
