@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .registry import resolve_backend
+from .registry import backend_name
 from .validation import check_conv_inputs, check_flags, check_gated_delta_inputs, check_scale
 
 
@@ -40,7 +40,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     check_flags(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
     check_scale(scale)
     _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    name = resolve_backend(backend, q.device).name
+    name = backend_name(backend, q.device)
     o, final = ops.chunk_gated_delta_rule_op(q, k, v, g, beta, initial_state, cu, _scale(scale, q),
                                              output_final_state, use_qk_l2norm, name)
     return o, (final if output_final_state else None)
@@ -56,7 +56,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     check_flags(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
     check_scale(scale)
     _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    name = resolve_backend(backend, q.device).name
+    name = backend_name(backend, q.device)
     o, final = ops.recurrent_gated_delta_rule_op(q, k, v, g, beta, initial_state, cu, _scale(scale, q),
                                                  output_final_state, use_qk_l2norm, name)
     return o, (final if output_final_state else None)
@@ -78,7 +78,7 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     """
     check_flags(output_final_state=output_final_state)
     _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
-    name = resolve_backend(backend, x.device).name
+    name = backend_name(backend, x.device)
     activation = "silu" if activation in ("silu", "swish") else "identity"
 
     y, final = ops.causal_conv1d_op(x, weight, bias, initial_state, cu, activation, output_final_state, name)
@@ -99,7 +99,7 @@ def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
         raise ValueError(f"x and z must have the same shape, got {tuple(x.shape)} and {tuple(z.shape)}")
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
-    return ops.gated_rms_norm_op(x, z, weight, float(eps), resolve_backend(backend, x.device).name)
+    return ops.gated_rms_norm_op(x, z, weight, float(eps), backend_name(backend, x.device))
 
 
 def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
@@ -128,4 +128,4 @@ def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if tuple(t.shape) != (a.shape[-1],):
             raise ValueError(f"{name} must be [H] = [{a.shape[-1]}], got {tuple(t.shape)}")
-    return ops.gdn_gate_op(a, b, A_log, dt_bias, resolve_backend(backend, a.device).name)
+    return ops.gdn_gate_op(a, b, A_log, dt_bias, backend_name(backend, a.device))

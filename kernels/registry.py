@@ -59,6 +59,19 @@ def backend_by_name(name: str) -> Backend:
     return _BACKENDS[name]
 
 
+@torch.compiler.assume_constant_result
+def _resolved_name(name: str, device: str) -> str:
+    return resolve_backend(name, device).name
+
+
+def backend_name(name: str, device: torch.device | str) -> str:
+    """``resolve_backend(name, device).name``; under ``torch.compile`` evaluated once while tracing and
+    baked into the graph as a constant (the registry is host-side state)."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, got {type(name).__name__}")
+    return _resolved_name(name, str(device))
+
+
 def available_backends(device: torch.device | str | None = None) -> list[str]:
     """Names of registered backends; with ``device``, only those that can run there."""
     if device is None:

@@ -44,8 +44,10 @@ def skip_value_checks():
 
 
 def values_checkable(t: torch.Tensor) -> bool:
-    """Whether value checks on ``t`` run now: always on CPU, on accelerators only when switched on."""
-    if _SKIP_DEPTH:
+    """Whether value checks on ``t`` run now: always on CPU, on accelerators only when switched on, and
+    never while ``torch.compile`` traces (a host read of tensor values would break the graph; shape,
+    dtype and device checks still run there and become guards)."""
+    if _SKIP_DEPTH or torch.compiler.is_compiling():
         return False
     return t.device.type == "cpu" or validation_enabled()
 
