@@ -49,6 +49,8 @@ def main(argv=None):
     caches = {"triton": os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton_")),
               "tilelang": os.environ.setdefault("TILELANG_CACHE_DIR", tempfile.mkdtemp(prefix="tilelang_"))}
     import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("compile_check.py measures the CUDA backends: it needs a CUDA GPU (none is visible)")
     import triton
 
     from gdn_layer import GatedDeltaNet

@@ -311,8 +311,10 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"hidden_states.shape[-1] must equal hidden_size = {self.hidden_size}, "
                              f"got {x.shape[-1]}")
         p = self.out_proj.weight
-        if x.dtype != p.dtype:
-            raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype})")
+        autocast = torch.is_autocast_enabled(x.device.type) and x.dtype == torch.get_autocast_dtype(x.device.type)
+        if x.dtype != p.dtype and not autocast:
+            raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype}); "
+                            "cast one of them, or run under torch.autocast with that dtype")
         if x.device != p.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's parameters are on {p.device}")
         if not isinstance(output_state, bool):

@@ -37,6 +37,8 @@ def fla_importable() -> tuple[bool, str]:
 def available(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, "fla's kernels run on CUDA devices only"
+    if not torch.cuda.is_available():
+        return False, "this torch has no usable CUDA device"
     return fla_importable()
 
 

@@ -44,6 +44,8 @@ def _importable(capability: tuple[int, int]) -> tuple[bool, str]:
 def available(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, "FlashQLA runs on CUDA devices only"
+    if not torch.cuda.is_available():
+        return False, "this torch has no usable CUDA device"
     return _importable(torch.cuda.get_device_capability(device))
 
 

@@ -54,6 +54,12 @@ def register_backend(backend: Backend) -> None:
     _BACKENDS[backend.name] = backend
 
 
+def _available(b: Backend, device: torch.device) -> tuple[bool, str]:
+    """``b.available(device)`` as ``(ok, reason)``; a plain bool is accepted too."""
+    res = b.available(device)
+    return (res, "" if res else "its available() said no") if isinstance(res, bool) else tuple(res)
+
+
 def backend_by_name(name: str) -> Backend:
     """The registered backend called ``name`` (no device check; ``resolve_backend`` does that)."""
     return _BACKENDS[name]
@@ -77,7 +83,7 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     if device is None:
         return sorted(_BACKENDS)
     device = torch.device(device)
-    return sorted(n for n, b in _BACKENDS.items() if b.available(device)[0])
+    return sorted(n for n, b in _BACKENDS.items() if _available(b, device)[0])
 
 
 def resolve_backend(name: str, device: torch.device | str) -> Backend:
@@ -91,7 +97,7 @@ def resolve_backend(name: str, device: torch.device | str) -> Backend:
         raise TypeError(f"backend must be a string, got {type(name).__name__}")
     device = torch.device(device)
     if name == "auto":
-        ok = [b for b in _BACKENDS.values() if b.available(device)[0]]
+        ok = [b for b in _BACKENDS.values() if _available(b, device)[0]]
         best = max(ok, key=lambda b: b.priority)
         if device.type not in _AUTO_LOGGED:
             _AUTO_LOGGED.add(device.type)
@@ -100,7 +106,7 @@ def resolve_backend(name: str, device: torch.device | str) -> Backend:
     if name not in _BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {name!r}")
     b = _BACKENDS[name]
-    ok, why = b.available(device)
+    ok, why = _available(b, device)
     if not ok:
         raise ValueError(f"backend {name!r} cannot run on {device}: {why}")
     return b

@@ -22,7 +22,8 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True)
     Args:
         layer: a ``gdn_layer.GatedDeltaNet`` (under SP every rank of its group must call this too: it
             runs the layer's collectives).
-        dtype: activation dtype to build for (default: the layer's parameter dtype).
+        dtype: activation dtype to build for (default: the layer's parameter dtype); another dtype runs
+            under ``torch.autocast`` with it, as mixed-precision training does.
         include_decode: also build the decode path (one token per sequence).
 
     Returns:
@@ -41,9 +42,12 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True)
         return GDNState(torch.randn(n, layer.conv_dim, layer.conv_kernel_size - 1, device=device),
                         torch.randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device) * 0.1)
 
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != p.dtype
+                 else torch.autocast(device.type, enabled=False))
+
     def run(x, cu, st, out_state, grad=True):
         x = x.requires_grad_(grad)
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), autocast:
             res = layer(x, cu_seqlens=cu, state=st, output_state=out_state)
             y, new = (res if out_state else (res, None))
             if grad:
