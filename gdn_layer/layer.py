@@ -71,6 +71,15 @@ def _load_either_layout(module, state_dict, prefix, *_):
     state_dict.update({f"{prefix}{name}.weight": t for name, t in new.items()})
 
 
+def _bits_fingerprint(tensors) -> torch.Tensor:
+    """A digest of the exact integer sums of each tensor's raw bit patterns (order-independent)."""
+    with torch.no_grad():
+        bits = (t.detach().contiguous().reshape(-1).view(_SAME_SIZE_INT.get(t.element_size(), torch.uint8))
+                for t in tensors)
+        sums = [b.sum(dtype=torch.int64) for b in bits]
+    return digest_of(torch.stack(sums).cpu()) if sums else digest_of(0)
+
+
 class GatedDeltaNet(nn.Module):
     """Gated delta rule token mixer (Qwen3-Next / Qwen3.5 ``linear_attention`` block).
 
@@ -280,11 +289,15 @@ class GatedDeltaNet(nn.Module):
         # would skip the collective the others wait in): decide by the parameters' device.
         if self.sp_size > 1 and values_checkable(self.A_log):
             # the digest reads cu_seqlens on the host: only when value checks are on
+            state_part = [] if state is None else [
+                _DTYPE_CODE.get(state.conv_state.dtype, 99), _DTYPE_CODE.get(state.recurrent_state.dtype, 99),
+                _bits_fingerprint([state.conv_state, state.recurrent_state])]
             digest = digest_of(-1) if error is not None else digest_of(
                 *x.shape, _DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
-                *([] if cu is None else [cu.cpu()]), self._weights_fingerprint())
+                *([] if cu is None else [cu.cpu()]), self._weights_fingerprint(), *state_part)
             agree_across_ranks(self.sp_group, digest, error,
-                               "hidden_states shape/dtype, cu_seqlens, state presence and the layer's weights")
+                               "hidden_states shape/dtype, cu_seqlens, the state (presence, dtype, values) "
+                               "and the layer's weights")
         if error is not None:
             raise error
         return cu
@@ -296,22 +309,21 @@ class GatedDeltaNet(nn.Module):
         ``reduce_sp_grads``, which would otherwise give silently wrong results. Integer sums are exact:
         no summation order or thread count changes them (a float sum's rounding does). One pass over
         the weights, no copy."""
-        with torch.no_grad():
-            bits = (p.detach().reshape(-1).view(_SAME_SIZE_INT.get(p.element_size(), torch.uint8))
-                    for p in self.parameters())
-            sums = [b.sum(dtype=torch.int64) for b in bits]
-        return digest_of(torch.stack(sums).cpu()) if sums else digest_of(0)
+        return _bits_fingerprint(list(self.parameters()))
 
     def _check_local(self, x, cu_seqlens, state, output_state):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3:
             raise ValueError(f"hidden_states must be [B, T, hidden], got shape {tuple(x.shape)}")
+        if x.shape[0] == 0:
+            raise ValueError("hidden_states has batch size B = 0; pass at least one sequence")
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states.shape[-1] must equal hidden_size = {self.hidden_size}, "
                              f"got {x.shape[-1]}")
         p = self.out_proj.weight
-        autocast = torch.is_autocast_enabled(x.device.type) and x.dtype == torch.get_autocast_dtype(x.device.type)
+        autocast = (torch.is_autocast_enabled(x.device.type) and p.dtype == torch.float32
+                    and x.dtype == torch.get_autocast_dtype(x.device.type))
         if x.dtype != p.dtype and not autocast:
             raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype}); "
                             "cast one of them, or run under torch.autocast with that dtype")
@@ -331,7 +343,7 @@ class GatedDeltaNet(nn.Module):
                 f"the SP size is padded first with gdn_layer.parallel.pad_for_sp")
             cu = check_cu_seqlens(cu_seqlens, T, device=x.device, length_hint=hint)
         n = B if cu is None else cu.numel() - 1
-        check_no_nan("hidden_states", x)
+        check_no_nan("hidden_states", x, finite=True)
         if state is not None:
             check_state(state, n, self.conv_dim, self.conv_kernel_size, self.num_v_heads,
                         self.head_k_dim, self.head_v_dim, x.device)

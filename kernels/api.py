@@ -93,12 +93,18 @@ def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
     for name, t in (("x", x), ("z", z), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if x.shape != z.shape:
         raise ValueError(f"x and z must have the same shape, got {tuple(x.shape)} and {tuple(z.shape)}")
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
     return ops.gated_rms_norm_op(x, z, weight, float(eps), backend_name(backend, x.device))
 
 

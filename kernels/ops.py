@@ -39,8 +39,10 @@ def math_dtype(*tensors) -> torch.dtype:
 
 
 def _own(t: Tensor, *inputs) -> Tensor:
-    """``t``, or a copy of it where it shares memory with an input (a custom op must not alias them:
-    e.g. the state of a zero-length sequence is its initial state)."""
+    """``t`` made contiguous (the fake implementations promise contiguous outputs), and a copy of it
+    where it shares memory with an input (a custom op must not alias them: e.g. the state of a
+    zero-length sequence is its initial state)."""
+    t = t.contiguous()
     if t.numel() == 0:
         return t.new_empty(t.shape)
     ptr = t.untyped_storage().data_ptr()

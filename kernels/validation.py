@@ -75,6 +75,8 @@ def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | N
         raise ValueError(f"{name} must be 1-D [N + 1], got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.device.type == "meta":
+        raise ValueError(f"{name} must hold real values (it is on the meta device)")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must hold at least 2 entries (one sequence), got {cu_seqlens.numel()}")
     if values_checkable(cu_seqlens):
@@ -92,9 +94,13 @@ def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | N
     return cu_seqlens.to(device=device if device is not None else cu_seqlens.device, dtype=torch.int64)
 
 
-def check_no_nan(name: str, t: torch.Tensor | None) -> None:
-    """Raise ValueError if ``t`` holds NaN (only where values are checkable)."""
-    if t is not None and t.is_floating_point() and values_checkable(t) and bool(torch.isnan(t).any()):
+def check_no_nan(name: str, t: torch.Tensor | None, finite: bool = False) -> None:
+    """Raise ValueError if ``t`` holds NaN (or, with ``finite``, inf too; only where values are checkable)."""
+    if t is None or not t.is_floating_point() or not values_checkable(t):
+        return
+    if finite and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+    if bool(torch.isnan(t).any()):
         raise ValueError(f"{name} contains NaN")
 
 
@@ -184,6 +190,8 @@ def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation) ->
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, C], got shape {tuple(x.shape)}")
     B, T, C = x.shape
+    if B == 0 or C == 0:
+        raise ValueError(f"x must have a positive batch size and channel count, got shape {tuple(x.shape)}")
     if weight.dim() == 3 and weight.shape[1] == 1:
         raise ValueError(f"weight must be [C, W]; squeeze nn.Conv1d's [C, 1, W] weight first (got {tuple(weight.shape)})")
     if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:

@@ -66,3 +66,21 @@ def test_the_counter_sees_a_recompile_when_shapes_are_static():
         compiled(*pack(lens))
         counts.append(counter.frame_count)
     assert counts[2] > counts[0]
+
+
+def test_compiled_layer_returns_and_trains_through_states():
+    """Outputs of every op have the strides their fake implementations promise (contiguous): a compiled
+    layer can return a state and take gradients into a given state (chunked prefill, truncated BPTT)."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(64, 2, 4, 16, 16)
+    compiled = torch.compile(layer, backend=CompileCounterWithBackend("aot_eager"), fullgraph=True, dynamic=True)
+    x, cu = torch.randn(1, 20, 64), torch.tensor([0, 7, 20])
+    _, st0 = layer(x, cu_seqlens=cu, output_state=True)
+    results = []
+    for f in (compiled, layer):
+        st = type(st0)(st0.conv_state.detach().requires_grad_(True), st0.recurrent_state.detach().requires_grad_(True))
+        y, new = f(x, cu_seqlens=cu, state=st, output_state=True)
+        (y.square().sum() + new.recurrent_state.square().sum() + new.conv_state.sum()).backward()
+        results.append((y, new.recurrent_state, new.conv_state, st.conv_state.grad, st.recurrent_state.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -226,6 +226,14 @@ def _one_rank_bad(rank, world, case):
         rec = torch.randn(1, 4, 8, 4)
         rec[0, 3] = float("nan")  # value head 3 lives on rank 1
         kwargs["state"] = GDNState(torch.randn(1, layer.conv_dim, 3), rec)
+    elif case in ("state_values_differ", "state_dtype_differs"):
+        from gdn_layer import GDNState
+        g = torch.Generator().manual_seed(5)                     # the same state on both ranks ...
+        st = GDNState(torch.randn(1, layer.conv_dim, 3, generator=g), torch.randn(1, 4, 8, 4, generator=g))
+        if rank == 1:                                            # ... except on rank 1
+            st = (GDNState(st.conv_state * 2, st.recurrent_state * 2) if case == "state_values_differ"
+                  else GDNState(st.conv_state.double(), st.recurrent_state.double()))
+        kwargs.update(state=st, output_state=True)
     elif case == "weights_differ" and rank == 1:  # e.g. an optimizer step without reduce_sp_grads
         with torch.no_grad():
             layer.out_proj.weight[0, 0] += 1e-6
@@ -237,7 +245,7 @@ def _one_rank_bad(rank, world, case):
 
 
 @pytest.mark.parametrize("case", ["not_a_tensor", "dtype", "nan_in_rank1_heads_of_state", "weights_differ",
-                                  "frozen_params_differ"])
+                                  "frozen_params_differ", "state_values_differ", "state_dtype_differs"])
 def test_a_bad_input_on_one_rank_makes_every_rank_raise(pool2, case):
     msgs = pool2.run(_one_rank_bad, case, timeout=60)
     assert all(msgs), msgs

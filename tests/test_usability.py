@@ -41,3 +41,36 @@ def test_a_backend_whose_available_returns_a_bool_registers():
         assert registry.resolve_backend("bool_avail", "cpu").name == "bool_avail"
     finally:
         registry._BACKENDS.pop("bool_avail")
+
+
+def test_bad_inputs_found_by_the_adversarial_review_raise_naming_the_argument():
+    import pytest
+    from gdn_layer.kernels import causal_conv1d, gated_rms_norm
+    layer = GatedDeltaNet(32, 1, 2, 8, 8)
+    with pytest.raises(ValueError, match="batch size"):
+        layer(torch.randn(0, 5, 32))
+    with pytest.raises(ValueError, match="batch size"):
+        causal_conv1d(torch.randn(0, 5, 8), torch.randn(8, 4))
+    x = torch.randn(1, 5, 32)
+    x[0, 2, 3] = float("inf")
+    with pytest.raises(ValueError, match="hidden_states contains NaN or inf"):
+        layer(x)
+    with pytest.raises(ValueError, match="cu_seqlens.*meta"):
+        layer(torch.randn(1, 5, 32), cu_seqlens=torch.empty(3, dtype=torch.int64, device="meta"))
+    with pytest.raises(TypeError, match="x must be a floating"):
+        gated_rms_norm(torch.ones(1, 2, dtype=torch.int64), torch.ones(1, 2), torch.ones(2))
+    with pytest.raises(TypeError, match="eps"):
+        gated_rms_norm(torch.ones(1, 2), torch.ones(1, 2), torch.ones(2), eps="a")
+    with pytest.raises(ValueError, match="eps must be positive"):
+        gated_rms_norm(torch.ones(1, 2), torch.ones(1, 2), torch.ones(2), eps=0.0)
+
+
+def test_triton_l2norm_keeps_float64():
+    from gdn_layer.kernels.triton.l2norm import l2norm_bwd, l2norm_fwd
+    x = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    ref = x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+    assert l2norm_fwd(x).dtype == torch.float64 and torch.allclose(l2norm_fwd(x), ref, rtol=1e-14, atol=0)
+    dy = torch.randn_like(x)
+    x_ = x.clone().requires_grad_(True)
+    (x_ * torch.rsqrt(x_.square().sum(-1, keepdim=True) + 1e-6)).backward(dy)
+    assert torch.allclose(l2norm_bwd(x, dy), x_.grad, rtol=1e-12, atol=1e-14)

@@ -59,7 +59,10 @@ def _launch_args(x: torch.Tensor):
 
 
 def l2norm_fwd(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """``x [B, T, H, D]`` (strided) -> contiguous ``[B, T, H, D]`` in x's dtype."""
+    """``x [B, T, H, D]`` (strided) -> contiguous ``[B, T, H, D]`` in x's dtype (float64 stays float64:
+    computed in torch, as the kernel's math is fp32)."""
+    if x.dtype == torch.float64:
+        return (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)).contiguous()
     M, T, H, sb, st, sh, D, BD = _launch_args(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if M:
@@ -69,6 +72,10 @@ def l2norm_fwd(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
 
 def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """Gradient of ``l2norm_fwd`` w.r.t. x (recomputes the norm from x); contiguous, x's dtype."""
+    if x.dtype == torch.float64:
+        rstd = torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+        y = x * rstd
+        return ((dy - (dy * y).sum(-1, keepdim=True) * y) * rstd).contiguous()
     M, T, H, sb, st, sh, D, BD = _launch_args(x)
     dy = dy.contiguous()
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
