@@ -226,3 +226,25 @@ def test_cp2_under_no_grad(pool2):
     for errs in pool2.run(_no_grad_state, timeout=60):
         assert max(errs) <= TOL, errs
 
+
+
+def _dtype_parity(rank, world, dtype):
+    """cp = world on a pack straddling every boundary, in ``dtype``: output, state and input gradient."""
+    layer, ref = _layer(dist.group.WORLD).to(dtype), _layer().to(dtype)
+    x = torch.randn(1, 64, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
+    cu = torch.tensor([0, 5, 60, 64])
+    x_ref, x_cp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, st = layer(shard_sequence(x_cp, dist.group.WORLD), cu_seqlens=cu, output_state=True)
+    y_ref, st_ref = ref(x_ref, cu_seqlens=cu, output_state=True)
+    (y.float().square().sum() + st.recurrent_state.sum() / world).backward()
+    (y_ref.float().square().sum() + st_ref.recurrent_state.sum()).backward()
+    dist.all_reduce(x_cp.grad)
+    return (y.dtype == dtype and st.recurrent_state.dtype == st_ref.recurrent_state.dtype,
+            [rel_err(gather_sequence(y.detach(), dist.group.WORLD), y_ref),
+             rel_err(st.recurrent_state, st_ref.recurrent_state), rel_err(x_cp.grad, x_ref.grad)])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 1e-2)])
+def test_cp4_in_float64_and_bfloat16(pool4, dtype, tol):
+    for dtypes_ok, errs in pool4.run(_dtype_parity, dtype, timeout=120):
+        assert dtypes_ok and max(errs) <= tol, errs
