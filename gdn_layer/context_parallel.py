@@ -18,7 +18,9 @@ collectives (all-gathers whose backward sums over ranks). See docs/context_paral
 Collective order: every rank runs the same collectives in the same order, forward and backward. The
 backward order is fixed by data dependencies (final states -> maps -> conv tails); where a rank does
 not use a gathered tensor (no sequence comes in) or has no map to send, ``_tie`` adds an exact zero
-that depends on it, so its backward still joins every collective, in the same order.
+that depends on it, so its backward still joins every collective, in the same order. Each rank's map
+is tied to both its ``q`` and the given state, so it needs a gradient on every rank alike when only
+the activations, or only the initial state (a frozen layer), do.
 """
 from __future__ import annotations
 
@@ -120,8 +122,8 @@ def _outgoing_map(layer, qkvgb, plan, own) -> torch.Tensor:
     hv, Dk, Dv = v.shape[2], k.shape[3], v.shape[3]
     dt = own.dtype
     zeros_M = own.new_zeros(1, hv, Dk, Dk)
-    if plan.outgoing < 0:
-        return _tie(own.new_zeros(hv, Dk, Dk + Dv), q)
+    if plan.outgoing < 0:  # tied to what the other ranks' maps depend on, so every rank's needs a gradient
+        return _tie(own.new_zeros(hv, Dk, Dk + Dv), q, own)
     lo = plan.outgoing_from
     part = [t[:, lo:] for t in (q, k, v, g, beta)]
     run = lambda vv, init: chunk_gated_delta_rule(  # noqa: E731
@@ -134,4 +136,4 @@ def _outgoing_map(layer, qkvgb, plan, own) -> torch.Tensor:
     else:
         j = plan.outgoing
         M, H = zeros_M, run(part[2], own[j:j + 1])
-    return torch.cat([M, H.to(dt)], -1)[0]
+    return _tie(torch.cat([M, H.to(dt)], -1)[0], q, own)

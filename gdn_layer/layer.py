@@ -10,11 +10,11 @@ from torch import nn
 from gdn_layer import kernels
 from gdn_layer.kernels import (causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, gdn_gate,
                                recurrent_gated_delta_rule)
+from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.kernels.validation import check_no_nan, skip_value_checks, values_checkable
 from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import digest_of, gather_heads, head_to_seq, partition_heads, resolve_sp_group, seq_to_head
 from gdn_layer.parallel.context import agree_across_groups
-from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.state import GDNState, check_state
 
 
@@ -244,7 +244,8 @@ class GatedDeltaNet(nn.Module):
 
         Args:
             hidden_states: ``[B, T_local, hidden]``; without SP ``T_local == T``, under SP this rank's
-                contiguous ``T/P`` slice of the (packed) sequence.
+                contiguous ``T/P`` slice of the (packed) sequence; with ``cp_group`` (C ranks) slice
+                ``c*P + s`` of ``C*P`` (docs/context_parallel.md).
             cu_seqlens: ``[N + 1]`` int32/int64 GLOBAL boundaries of packed sequences (B == 1), the same on
                 every rank; conv and recurrence restart at each boundary. None: B independent sequences.
             state: a ``GDNState`` to continue from (decode or chunked prefill): ``[N, ...]``, one row per
@@ -337,9 +338,12 @@ class GatedDeltaNet(nn.Module):
             if B != 1:
                 raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
             hint = "" if P == 1 else (
-                f"under SP/CP the packed length is the global T = cp size {self.cp_size} x SP size {self.sp_size} "
-                f"x hidden_states.shape[1]: each rank passes its slice (cp rank c, sp rank s: slice c*P_sp + s), "
-                f"and a T not divisible by cp*sp = {P} is padded first with "
+                f"under SP the packed length is the global T = SP size {self.sp_size} x hidden_states.shape[1]: "
+                f"each rank passes its T/P slice (gdn_layer.parallel.shard_sequence), and a T not divisible by "
+                f"the SP size is padded first with gdn_layer.parallel.pad_for_sp") if self.cp_size == 1 else (
+                f"under CP the packed length is the global T = cp size {self.cp_size} x SP size {self.sp_size} x "
+                f"hidden_states.shape[1]: rank (cp c, sp s) passes slice c*{self.sp_size} + s, and a T not "
+                f"divisible by cp*sp = {P} is padded first with "
                 f"gdn_layer.parallel.pad_for_sp(hidden_states, cu_seqlens, {P})")
             cu = check_cu_seqlens(cu_seqlens, T, device=x.device, length_hint=hint)
         elif self.cp_size > 1:  # one sequence: the slices still hand its state on

@@ -248,3 +248,30 @@ def _dtype_parity(rank, world, dtype):
 def test_cp4_in_float64_and_bfloat16(pool4, dtype, tol):
     for dtypes_ok, errs in pool4.run(_dtype_parity, dtype, timeout=120):
         assert dtypes_ok and max(errs) <= tol, errs
+
+
+def _state_only_grad(rank, world, cp, sp):
+    """A frozen layer and a trainable initial recurrent state (e.g. prefix tuning): nothing else needs a
+    gradient, so some ranks' maps depend on it only through ranks where a sequence began."""
+    gen = torch.Generator().manual_seed(21)
+    cu = torch.tensor([0, 5, 20, 30, 64])  # with cp = 4: one rank sends a map from a sequence begun there
+    x = torch.randn(1, 64, HIDDEN, generator=gen)
+    cot = torch.randn(1, 64, HIDDEN, generator=gen)
+    ref = _layer().requires_grad_(False)
+    rec0 = torch.randn(4, HV, DK, DV, generator=gen)
+    conv0 = torch.randn(4, ref.conv_dim, ref.conv_kernel_size - 1, generator=gen)
+    s_ref = GDNState(conv0.clone(), rec0.clone().requires_grad_())  # q, k, v need no gradient
+    (ref(x, cu_seqlens=cu, state=s_ref) * cot).sum().backward()
+    cp_group, sp_group = _mesh(cp, sp, False)
+    layer = _layer(cp_group, sp_group).requires_grad_(False)
+    s = GDNState(conv0.clone(), rec0.clone().requires_grad_())
+    (layer(shard_sequence(x, dist.group.WORLD), cu_seqlens=cu, state=s) * shard_sequence(cot, dist.group.WORLD)
+     ).sum().backward()
+    dist.all_reduce(s.recurrent_state.grad)
+    return rel_err(s.recurrent_state.grad, s_ref.recurrent_state.grad)
+
+
+@pytest.mark.parametrize("cp, sp", [(4, 1), (2, 2)])
+def test_frozen_layer_with_a_trainable_initial_state(pool4, cp, sp):
+    for err in pool4.run(_state_only_grad, cp, sp, timeout=120):
+        assert err <= TOL, err
