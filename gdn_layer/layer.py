@@ -10,10 +10,11 @@ from torch import nn
 from gdn_layer import kernels
 from gdn_layer.kernels import (causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, gdn_gate,
                                recurrent_gated_delta_rule)
+from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.kernels.validation import check_no_nan, skip_value_checks, values_checkable
 from gdn_layer.norm import GatedRMSNorm
-from gdn_layer.parallel import (agree_across_ranks, digest_of, gather_heads, head_to_seq, partition_heads,
-                                resolve_sp_group, seq_to_head)
+from gdn_layer.parallel import digest_of, gather_heads, head_to_seq, partition_heads, resolve_sp_group, seq_to_head
+from gdn_layer.parallel.context import agree_across_groups
 from gdn_layer.state import GDNState, check_state
 
 
@@ -107,6 +108,9 @@ class GatedDeltaNet(nn.Module):
             rank passes its contiguous ``T/P`` slice of the packed sequence; see docs/ulysses.md.
         backend: kernel backend name or ``"auto"`` (``gdn_layer.kernels.available_backends()``).
         device, dtype: for the parameters.
+        cp_group: state-passing context-parallel group (ProcessGroup or 1-D DeviceMesh) or None, alone or
+            with ``sp_group`` on a C x P mesh: rank (c, s) passes slice ``c*P + s`` of ``C*P`` equal
+            contiguous slices of the packed sequence (``B == 1``); see docs/context_parallel.md.
 
     Raises:
         TypeError / ValueError: bad sizes, ``Hv % Hk != 0``, an unknown ``projection_layout`` or backend,
@@ -120,7 +124,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel_size: int = 4, norm_eps: float = 1e-6, projection_layout: str = "split",
-                 sp_group=None, backend: str = "auto", device=None, dtype=None):
+                 sp_group=None, backend: str = "auto", device=None, dtype=None, cp_group=None):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads),
                             ("num_v_heads", num_v_heads), ("head_k_dim", head_k_dim),
@@ -143,6 +147,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel_size, self.projection_layout = conv_kernel_size, projection_layout
 
         self.sp_group, self.sp_size, self.sp_rank = resolve_sp_group(sp_group)
+        self.cp_group, self.cp_size, self.cp_rank = resolve_sp_group(cp_group, name="cp_group")
         self.heads = partition_heads(num_k_heads, num_v_heads, self.sp_size)
         self.backend = backend
 
@@ -229,10 +234,11 @@ class GatedDeltaNet(nn.Module):
         return index
 
     def __deepcopy__(self, memo):
-        """A deep copy that shares the SP process group (which cannot be copied or pickled): EMA and
+        """A deep copy that shares the SP (and CP) process group (which cannot be copied or pickled): EMA and
         reference models are deep copies that run in the same group."""
-        if self.sp_group is not None:
-            memo.setdefault(id(self.sp_group), self.sp_group)
+        for group in (self.sp_group, self.cp_group):
+            if group is not None:
+                memo.setdefault(id(group), group)
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
@@ -247,7 +253,8 @@ class GatedDeltaNet(nn.Module):
 
         Args:
             hidden_states: ``[B, T_local, hidden]``; without SP ``T_local == T``, under SP this rank's
-                contiguous ``T/P`` slice of the (packed) sequence.
+                contiguous ``T/P`` slice of the (packed) sequence; with ``cp_group`` (C ranks) slice
+                ``c*P + s`` of ``C*P`` (docs/context_parallel.md).
             cu_seqlens: ``[N + 1]`` int32/int64 GLOBAL boundaries of packed sequences (B == 1), the same on
                 every rank; conv and recurrence restart at each boundary. None: B independent sequences.
             state: a ``GDNState`` to continue from (decode or chunked prefill): ``[N, ...]``, one row per
@@ -265,9 +272,13 @@ class GatedDeltaNet(nn.Module):
         mixed, z = self._project(hidden_states)              # local tokens, all heads
         mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group) if self.sp_size > 1 else mixed
         with self._checked_already():
-            q, k, v, a, b, conv_state = self._conv(mixed, cu, state, output_state)  # full T, local heads
-            g, beta = self._gate(a, b)
-            o, recurrent_state = self._delta_rule(q, k, v, g, beta, cu, state, output_state)
+            if self.cp_size > 1:  # this cp slice; states handed between slices
+                o, conv_state, recurrent_state = cp_token_mix(self, mixed, cu, state, output_state)
+            else:
+                q, k, v, a, b, conv_state = self._conv(mixed, cu, self._local_conv_state(state), output_state)
+                g, beta = self._gate(a, b)
+                o, recurrent_state = self._delta_rule(q, k, v, g, beta, cu, self._local_recurrent_state(state),
+                                                      output_state)
         o = head_to_seq(o.flatten(2), self.sp_group) if self.sp_size > 1 else o.flatten(2)
         o = self.norm(o.unflatten(-1, (self.num_v_heads, self.head_v_dim)), z)
         y = self.out_proj(o.flatten(2))
@@ -287,7 +298,7 @@ class GatedDeltaNet(nn.Module):
             error = e
         # Whether ranks compare notes must not depend on this rank's input (a bad input on one rank
         # would skip the collective the others wait in): decide by the parameters' device.
-        if self.sp_size > 1 and values_checkable(self.A_log):
+        if self.sp_size * self.cp_size > 1 and values_checkable(self.A_log):
             # the digest reads cu_seqlens on the host: only when value checks are on
             state_part = [] if state is None else [
                 _DTYPE_CODE.get(state.conv_state.dtype, 99), _DTYPE_CODE.get(state.recurrent_state.dtype, 99),
@@ -295,9 +306,9 @@ class GatedDeltaNet(nn.Module):
             digest = digest_of(-1) if error is not None else digest_of(
                 *x.shape, _DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
                 *([] if cu is None else [cu.cpu()]), self._weights_fingerprint(), *state_part)
-            agree_across_ranks(self.sp_group, digest, error,
-                               "hidden_states shape/dtype, cu_seqlens, the state (presence, dtype, values) "
-                               "and the layer's weights")
+            agree_across_groups((self.sp_group, self.cp_group), digest, error,
+                                "hidden_states shape/dtype, cu_seqlens, the state (presence, dtype, values) "
+                                "and the layer's weights")
         if error is not None:
             raise error
         return cu
@@ -332,16 +343,25 @@ class GatedDeltaNet(nn.Module):
         if not isinstance(output_state, bool):
             raise TypeError(f"output_state must be a bool, got {type(output_state).__name__}")
         B, T_local = x.shape[:2]
-        T = T_local * self.sp_size
+        P = self.sp_size * self.cp_size
+        T = T_local * P
         cu = None
+        if self.cp_size > 1 and B != 1:
+            raise ValueError(f"with cp_group the batch must be packed into B == 1 (with cu_seqlens), got B = {B}")
         if cu_seqlens is not None:
             if B != 1:
                 raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
-            hint = "" if self.sp_size == 1 else (
+            hint = "" if P == 1 else (
                 f"under SP the packed length is the global T = SP size {self.sp_size} x hidden_states.shape[1]: "
                 f"each rank passes its T/P slice (gdn_layer.parallel.shard_sequence), and a T not divisible by "
-                f"the SP size is padded first with gdn_layer.parallel.pad_for_sp")
+                f"the SP size is padded first with gdn_layer.parallel.pad_for_sp") if self.cp_size == 1 else (
+                f"under CP the packed length is the global T = cp size {self.cp_size} x SP size {self.sp_size} x "
+                f"hidden_states.shape[1]: rank (cp c, sp s) passes slice c*{self.sp_size} + s, and a T not "
+                f"divisible by cp*sp = {P} is padded first with "
+                f"gdn_layer.parallel.pad_for_sp(hidden_states, cu_seqlens, {P})")
             cu = check_cu_seqlens(cu_seqlens, T, device=x.device, length_hint=hint)
+        elif self.cp_size > 1:  # one sequence: the slices still hand its state on
+            cu = torch.tensor([0, T], dtype=torch.int64, device=x.device)
         n = B if cu is None else cu.numel() - 1
         check_no_nan("hidden_states", x, finite=True)
         if state is not None:
@@ -355,7 +375,7 @@ class GatedDeltaNet(nn.Module):
         """Under SP the inputs were checked (and agreed on) before the all-to-all; value checks inside
         the kernels would see only this rank's heads and could raise on one rank alone, leaving the
         others waiting in the all-to-all back. A NaN that arises from the weights propagates instead."""
-        return skip_value_checks() if self.sp_size > 1 else contextlib.nullcontext()
+        return skip_value_checks() if self.sp_size * self.cp_size > 1 else contextlib.nullcontext()
 
     def _project(self, x):
         """``x [B, T, hidden]`` -> ``mixed [B, T, conv_dim + 2 Hv]`` as ``[q_all | k_all | v_all | a | b]``
@@ -388,8 +408,9 @@ class GatedDeltaNet(nn.Module):
         vh = self.heads.v_heads(self.sp_rank)
         return state.recurrent_state[:, vh.start:vh.stop]
 
-    def _conv(self, mixed, cu, state, output_state):
-        """Causal conv + SiLU over the full T on this rank's channels; split into q, k, v, a, b."""
+    def _conv(self, mixed, cu, initial_state, output_state):
+        """Causal conv + SiLU over the full T on this rank's channels, from ``initial_state`` (this rank's
+        channels, or None); split into q, k, v, a, b."""
         C = self.local_conv_dim
         Dk, Dv = self.head_k_dim, self.head_v_dim
         hk, hv = self.heads.k_heads_per_rank, self.heads.v_heads_per_rank
@@ -397,7 +418,7 @@ class GatedDeltaNet(nn.Module):
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
         qkv, conv_state = causal_conv1d(mixed[..., :C], weight, None, activation="silu", cu_seqlens=cu,
-                                        initial_state=self._local_conv_state(state),
+                                        initial_state=initial_state,
                                         output_final_state=output_state, backend=self._backend)
         q, k, v = qkv.split([hk * Dk, hk * Dk, hv * Dv], -1)
         a, b = mixed[..., C:].split([hv, hv], -1)
@@ -410,12 +431,13 @@ class GatedDeltaNet(nn.Module):
         vh = self.heads.v_heads(self.sp_rank)
         return gdn_gate(a, b, self.A_log[vh.start:vh.stop], self.dt_bias[vh.start:vh.stop], backend=self._backend)
 
-    def _delta_rule(self, q, k, v, g, beta, cu, state, output_state):
-        """Recurrent kernel when every sequence has at most one token (decode), chunk kernel otherwise."""
+    def _delta_rule(self, q, k, v, g, beta, cu, initial_state, output_state):
+        """Recurrent kernel when every sequence has at most one token (decode), chunk kernel otherwise;
+        ``initial_state`` has this rank's value heads (or is None)."""
         n = q.shape[0] if cu is None else cu.numel() - 1
         decode = q.shape[0] * q.shape[1] <= n
         kernel = recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
-        return kernel(q, k, v, g, beta, initial_state=self._local_recurrent_state(state),
+        return kernel(q, k, v, g, beta, initial_state=initial_state,
                       output_final_state=output_state, cu_seqlens=cu, use_qk_l2norm=True, backend=self._backend)
 
     def _full_state(self, conv_state, recurrent_state) -> GDNState:
@@ -431,4 +453,4 @@ class GatedDeltaNet(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_k_heads={self.num_k_heads}, num_v_heads={self.num_v_heads}, "
                 f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}, layout={self.projection_layout!r}, "
-                f"sp_size={self.sp_size}, backend={self._backend!r}")
+                f"sp_size={self.sp_size}, cp_size={self.cp_size}, backend={self._backend!r}")

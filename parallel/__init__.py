@@ -2,10 +2,13 @@
 
 Knows nothing of GatedDeltaNet: the all-to-all pair (sequence-sharded <-> head-sharded, autograd), the
 head partition for (Hk, Hv, P), padding/sharding/gathering along the sequence, SP gradient reduction,
-and the cross-rank agreement check that lets every rank raise together. See docs/ulysses.md.
+and the cross-rank agreement check that lets every rank raise together. See docs/ulysses.md; the
+state-passing context parallelism pieces (``context``) are in docs/context_parallel.md.
 """
 from .agree import DIGEST_LEN, agree_across_ranks, digest_of
 from .all_to_all import head_to_seq, seq_to_head
+from .context import (SlicePlan, affine_scan, agree_across_groups, gather_from_ranks, plan_slice, rows_before_slice,
+                      select_owned)
 from .gather_heads import gather_heads
 from .grads import reduce_sp_grads
 from .groups import resolve_sp_group
@@ -20,4 +23,6 @@ __all__ = [
     "reduce_sp_grads",
     "gather_heads",
     "agree_across_ranks", "digest_of", "DIGEST_LEN",
+    "SlicePlan", "plan_slice", "gather_from_ranks", "rows_before_slice", "affine_scan", "select_owned",
+    "agree_across_groups",
 ]
