@@ -33,6 +33,7 @@ from tqdm import tqdm
 import text_data
 from checkpoint import load_checkpoint, save_checkpoint, truncate_log
 from hybrid import default_gdn_heads, hybrid_forward, load_model, local_loss, make_hybrid, parse_layers
+from gdn_layer import GatedDeltaNet
 from gdn_layer.parallel import reduce_sp_grads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gdn-heads", help="'HK,HV' (default: kv heads up to a multiple of 4, q heads down to a multiple of HK)")
     p.add_argument("--conv-init", default="default", choices=["identity", "default"])
     p.add_argument("--train", default="gdn", choices=["all", "gdn"], help="train every parameter, or the GDN layers only")
-    p.add_argument("--sp", type=int, help="Ulysses SP size (default: 2 if the world size is even, else 1)")
+    p.add_argument("--sp", type=int, help="Ulysses SP size (default: 2 if the world size is even, else 1; 1 with --cp)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="state-passing context parallel size (docs/context_parallel.md); with --sp 1 only")
     p.add_argument("--steps", type=int, default=40, help="total optimizer steps (a resumed run continues to this)")
     p.add_argument("--seq-len", type=int, default=256, help="packed tokens per sequence (global T)")
     p.add_argument("--lr", type=float, default=6e-3)
@@ -70,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.sp is not None and args.sp < 1:
         raise ValueError(f"--sp must be >= 1, got {args.sp}")
+    if args.cp < 1:
+        raise ValueError(f"--cp must be >= 1, got {args.cp}")
+    if args.cp > 1 and (args.sp or 1) != 1:
+        raise ValueError(f"--cp {args.cp} runs with --sp 1 (this example does not build a cp x sp mesh)")
     return args
 
 
@@ -90,7 +97,9 @@ def kill_self() -> None:
 # ------------------------------------------------------------------------------------ distributed
 @dataclass
 class Ctx:
-    """Where this process sits: global rank, SP/DP coordinates and groups (None when of size 1), device."""
+    """Where this process sits: global rank, sequence-split and DP coordinates and groups (None when of
+    size 1), device. ``sp``/``sp_rank``/``sp_group`` describe how each sequence is split across ranks
+    (contiguous slices); ``cp`` says that split is state passing (``--cp``) rather than Ulysses."""
     rank: int
     sp: int
     sp_rank: int
@@ -99,9 +108,10 @@ class Ctx:
     dp_rank: int
     dp_group: object
     device: torch.device
+    cp: bool = False
 
 
-def setup_distributed(sp: int | None, device: str) -> Ctx:
+def setup_distributed(sp: int | None, device: str, cp: int = 1) -> Ctx:
     """Join torchrun's process group (gloo on CPU, NCCL on CUDA) unless one exists; build the (dp, sp) mesh.
 
     Without torchrun (no RANK in the environment) it runs as one process with sp = dp = 1.
@@ -114,7 +124,7 @@ def setup_distributed(sp: int | None, device: str) -> Ctx:
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    sp = sp or (2 if world % 2 == 0 else 1)
+    sp = cp if cp > 1 else (sp or (2 if world % 2 == 0 else 1))
     if world % sp:
         raise ValueError(f"--sp {sp} must divide the number of processes ({world})")
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
@@ -125,7 +135,7 @@ def setup_distributed(sp: int | None, device: str) -> Ctx:
         mesh = init_device_mesh(dev.type, (dp, sp), mesh_dim_names=("dp", "sp"))
         sp_group = mesh.get_group("sp") if sp > 1 else None
         dp_group = mesh.get_group("dp") if dp > 1 else None
-    return Ctx(rank, sp, rank % sp, sp_group, dp, rank // sp, dp_group, dev)
+    return Ctx(rank, sp, rank % sp, sp_group, dp, rank // sp, dp_group, dev, cp=cp > 1)
 
 
 def all_sum(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -222,7 +232,7 @@ def build(args, ctx: Ctx):
             hk, hv = (int(x) for x in args.gdn_heads.split(","))
         except ValueError:
             raise ValueError(f"--gdn-heads must be 'HK,HV', got {args.gdn_heads!r}") from None
-    if layers and (hk % ctx.sp or hv % ctx.sp):
+    if layers and not ctx.cp and (hk % ctx.sp or hv % ctx.sp):
         raise ValueError(f"GDN heads Hk={hk}, Hv={hv} must be divisible by --sp {ctx.sp} (see --gdn-heads)")
 
     docs, sources = text_data.read_documents(args.data)
@@ -235,7 +245,7 @@ def build(args, ctx: Ctx):
     original = None if args.resume or not layers else evaluate(model.to(ctx.device), held, ctx)
 
     torch.manual_seed(args.seed)                  # identical GDN init on every rank
-    make_hybrid(model, layers, hk, hv, ctx.sp_group, args.backend, args.conv_init)
+    make_hybrid(model, layers, hk, hv, ctx.sp_group, args.backend, args.conv_init, cp=ctx.cp)
     gdn = tuple(f"model.layers.{i}.self_attn." for i in layers)
     for name, p in model.named_parameters():
         p.requires_grad_(args.train == "all" or name.startswith(gdn))
@@ -292,7 +302,7 @@ def run(args: argparse.Namespace) -> dict:
     """Build, evaluate, train, evaluate. Returns on every rank ``{"losses": [per step], "eval_before",
     "eval_after", "eval_original", "ppl_before", "ppl_after", "steps"}`` (losses in nats per token)."""
     t_start = time.time()
-    ctx = setup_distributed(args.sp, args.device)
+    ctx = setup_distributed(args.sp, args.device, args.cp)
     if args.seq_len % ctx.sp:
         raise ValueError(f"--seq-len ({args.seq_len}) must be divisible by --sp ({ctx.sp}); pad_for_sp is for ragged data")
     lead = ctx.rank == 0
@@ -359,7 +369,8 @@ def run(args: argparse.Namespace) -> dict:
     before, after = state["evals"][0], state["evals"][args.steps]
     result = {"losses": state["history"], "eval_before": before, "eval_after": after,
               "eval_original": state["eval_original"], "ppl_before": math.exp(before), "ppl_after": math.exp(after),
-              "steps": state["step"]}
+              "steps": state["step"],
+              "gdn_parallel": sorted({(m.sp_size, m.cp_size) for m in model.modules() if isinstance(m, GatedDeltaNet)})}
     if lead:
         log.close()
         plot_losses(state["history"], state["evals"], state["eval_original"], os.path.join(args.out, "loss.png"))

@@ -120,7 +120,7 @@ def default_gdn_heads(n_q: int, n_kv: int) -> tuple[int, int]:
 
 @torch.no_grad()
 def gdn_from_attention(attn: nn.Module, config, hk: int, hv: int, sp_group, backend: str,
-                       conv_init: str = "default") -> GatedDeltaNet:
+                       conv_init: str = "default", cp: bool = False) -> GatedDeltaNet:
     """A GatedDeltaNet (split layout, Dk = Dv = attention head_dim) initialised from a Llama attention.
 
     Mapping (attention has ``n_q`` query heads, ``n_kv`` key-value heads, group size ``n_q / n_kv``):
@@ -131,14 +131,16 @@ def gdn_from_attention(attn: nn.Module, config, hk: int, hv: int, sp_group, back
     repeated as needed. RoPE is not carried over (GDN has no positions); q/k scale does not matter (GDN
     L2-normalises them). ``in_proj_z, in_proj_a, in_proj_b, dt_bias, A_log, norm`` keep the layer's own
     init; ``conv1d`` is ``"identity"`` (last tap 1, so the mapped projections pass through at first) or
-    ``"default"`` (the layer's init).
+    ``"default"`` (the layer's init). With ``cp``, ``sp_group`` is used as the layer's ``cp_group``
+    (state passing across the ranks that hold the sequence's slices) instead.
     """
     hidden, d = config.hidden_size, attn.head_dim
     n_q, n_kv = config.num_attention_heads, config.num_key_value_heads
     if hv % hk:
         raise ValueError(f"--gdn-heads: Hv ({hv}) must be a multiple of Hk ({hk})")
     # built on the CPU, so the random init is the same whatever device the model is on
-    gdn = GatedDeltaNet(hidden, hk, hv, d, d, projection_layout="split", sp_group=sp_group,
+    groups = {"cp_group": sp_group} if cp else {"sp_group": sp_group}
+    gdn = GatedDeltaNet(hidden, hk, hv, d, d, projection_layout="split", **groups,
                         backend=backend, device="cpu", dtype=attn.q_proj.weight.dtype)
     q = attn.q_proj.weight.cpu().view(n_q, d, hidden)
     k = attn.k_proj.weight.cpu().view(n_kv, d, hidden)
@@ -159,13 +161,13 @@ def gdn_from_attention(attn: nn.Module, config, hk: int, hv: int, sp_group, back
 
 
 def make_hybrid(model: nn.Module, layers: list[int], hk: int, hv: int, sp_group, backend: str,
-                conv_init: str = "default") -> None:
+                conv_init: str = "default", cp: bool = False) -> None:
     """Replace ``model.model.layers[i].self_attn`` by a GatedDeltaNet for each ``i`` in ``layers``, in place.
 
     The new layers are on the CPU: move the model to its device afterwards."""
     for i in layers:
         block = model.model.layers[i]
-        block.self_attn = gdn_from_attention(block.self_attn, model.config, hk, hv, sp_group, backend, conv_init)
+        block.self_attn = gdn_from_attention(block.self_attn, model.config, hk, hv, sp_group, backend, conv_init, cp)
 
 
 # ---------------------------------------------------------------------------------------- forward

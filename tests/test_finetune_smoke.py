@@ -60,6 +60,16 @@ def test_sp2_losses_equal_single_process_losses(corpus, single, tmp_path):
         assert os.path.isfile(tmp_path / name), name
 
 
+def test_cp2_losses_equal_single_process_losses(corpus, single, tmp_path):
+    """State-passing context parallelism (--cp 2): the GDN layers pass states between the two slices."""
+    with DistributedPool(2) as pool:
+        ranks = pool.run(_train, argv(corpus, str(tmp_path), 1, "--cp", "2"))
+    for r in ranks:
+        assert r["gdn_parallel"] == [(1, 2)]             # the GDN layers really pass states (sp 1, cp 2)
+        assert r["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=0)
+        assert r["eval_after"] == pytest.approx(single["eval_after"], rel=1e-5)
+
+
 def test_resume_continues_with_the_same_step_count_and_losses(corpus, single, tmp_path):
     first = finetune.run(finetune.parse_args(argv(corpus, str(tmp_path), 1, steps=2)))
     assert first["steps"] == 2
