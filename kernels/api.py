@@ -5,7 +5,7 @@ import torch
 
 from . import ops
 from .registry import backend_name
-from .validation import check_conv_inputs, check_flags, check_gated_delta_inputs, check_scale
+from .validation import check_conv_inputs, check_flags, check_float_tensors, check_gated_delta_inputs, check_scale
 
 
 def _scale(scale, q) -> float:
@@ -90,13 +90,7 @@ def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
 
     x, z: ``[..., Dv]`` same shape; weight ``[Dv]``. Returns x's dtype.
     """
-    for name, t in (("x", x), ("z", z), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    check_float_tensors(x=x, z=z, weight=weight)
     if x.shape != z.shape:
         raise ValueError(f"x and z must have the same shape, got {tuple(x.shape)} and {tuple(z.shape)}")
     if weight.shape != x.shape[-1:]:
@@ -122,13 +116,7 @@ def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
     Raises:
         TypeError / ValueError naming the argument (non-tensors, non-floating dtypes, shapes, devices).
     """
-    for name, t in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if t.device != a.device:
-            raise ValueError(f"{name} is on {t.device} but a is on {a.device}")
+    check_float_tensors(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     if a.dim() != 3 or a.shape != b.shape:
         raise ValueError(f"a and b must be [B, T, H] of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):

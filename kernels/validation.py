@@ -104,6 +104,18 @@ def check_no_nan(name: str, t: torch.Tensor | None, finite: bool = False) -> Non
         raise ValueError(f"{name} contains NaN")
 
 
+def check_float_tensors(**named) -> None:
+    """Each argument is a floating-point tensor on the device of the first one (named in the error)."""
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
 def check_flags(**flags) -> None:
     """Each flag must be a real bool (``"no"`` is not False)."""
     for name, value in flags.items():

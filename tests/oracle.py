@@ -56,3 +56,9 @@ def naive_causal_conv1d(x, weight, bias=None, cu_seqlens=None, initial_state=Non
             y[b, s:e] = (F.silu(out) if silu else out).T
         finals.append(buf[:, buf.shape[1] - (W - 1):])
     return y, torch.stack(finals)
+
+
+def rel_err(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64 (the tests' tolerance measure)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

@@ -5,29 +5,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import DistributedPool
+from oracle import rel_err
 from gdn_layer import GatedDeltaNet, GDNState
 from gdn_layer.parallel import gather_sequence, pad_for_sp, plan_slice, reduce_sp_grads, shard_sequence
 
 HIDDEN, HK, HV, DK, DV = 24, 2, 4, 8, 4
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with DistributedPool(2) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with DistributedPool(4) as p:
-        yield p
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _layer(cp_group=None, sp_group=None):

@@ -5,28 +5,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import DistributedPool
+from oracle import rel_err
 from gdn_layer import GatedDeltaNet
 from gdn_layer.parallel import gather_sequence, pad_for_sp, reduce_sp_grads, shard_sequence
 
 HIDDEN = 24
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with DistributedPool(2) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with DistributedPool(4) as p:
-        yield p
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _layer(Hk, Hv, group=None, slow_decay=False, seed=0):

@@ -8,29 +8,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import DistributedPool
+from oracle import rel_err
 from gdn_layer import GatedDeltaNet
 from gdn_layer.parallel import gather_sequence, reduce_sp_grads, shard_sequence
 
 SIZES = (64, 2, 4, 16, 16)   # hidden, Hk, Hv, Dk, Dv
 CU = [0, 40, 100, 128]       # sequences straddle the rank boundary at 64
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with DistributedPool(2) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    with DistributedPool(4) as p:
-        yield p
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _reference(seed=0):

@@ -74,3 +74,18 @@ def test_triton_l2norm_keeps_float64():
     x_ = x.clone().requires_grad_(True)
     (x_ * torch.rsqrt(x_.square().sum(-1, keepdim=True) + 1e-6)).backward(dy)
     assert torch.allclose(l2norm_bwd(x, dy), x_.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_triton_l2norm_matches_torch_on_strided_views_fwd_and_bwd():
+    """Our q/k L2-norm kernel (used by the CUDA backends before the chunk kernel), under the
+    interpreter on CPU: a strided view of a wider buffer, rows not a multiple of the block."""
+    from gdn_layer.kernels.triton.l2norm import l2norm_bwd, l2norm_fwd
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(2, 7, 3 * 24 + 5, generator=g)
+    x = buf[..., 5:5 + 3 * 24].unflatten(-1, (3, 24))      # [2, 7, 3, 24], row stride 77
+    x_ = x.detach().clone().requires_grad_(True)
+    ref = x_ * torch.rsqrt(x_.square().sum(-1, keepdim=True) + 1e-6)
+    dy = torch.randn(ref.shape, generator=g)
+    ref.backward(dy)
+    torch.testing.assert_close(l2norm_fwd(x), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(l2norm_bwd(x, dy), x_.grad, rtol=1e-5, atol=1e-6)

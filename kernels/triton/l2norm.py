@@ -20,8 +20,9 @@ BLOCK_M = 16
 
 
 @triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h"])
-def _l2norm_fwd_kernel(x, y, M, T, H, stride_b, stride_t, stride_h, eps,
-                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr):
+def _load_rows(x, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, BD: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """This program's rows of x (fp32, masked), their flat indices, the mask and 1 / ||row||."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     cols = tl.arange(0, BD)
     h = rows % H
@@ -29,22 +30,21 @@ def _l2norm_fwd_kernel(x, y, M, T, H, stride_b, stride_t, stride_h, eps,
     src = (bt // T) * stride_b + (bt % T) * stride_t + h * stride_h
     mask = (rows < M)[:, None] & (cols < D)[None, :]
     bx = tl.load(x + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(bx * bx, 1) + eps)
+    return bx, rows, cols, mask, 1.0 / tl.sqrt(tl.sum(bx * bx, 1) + eps)
+
+
+@triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h"])
+def _l2norm_fwd_kernel(x, y, M, T, H, stride_b, stride_t, stride_h, eps,
+                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr):
+    bx, rows, cols, mask, rstd = _load_rows(x, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
     tl.store(y + rows[:, None] * D + cols[None, :], (bx * rstd[:, None]).to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h"])
 def _l2norm_bwd_kernel(x, dy, dx, M, T, H, stride_b, stride_t, stride_h, eps,
                        D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    cols = tl.arange(0, BD)
-    h = rows % H
-    bt = rows // H
-    src = (bt // T) * stride_b + (bt % T) * stride_t + h * stride_h
-    mask = (rows < M)[:, None] & (cols < D)[None, :]
-    bx = tl.load(x + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    bx, rows, cols, mask, rstd = _load_rows(x, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
     bdy = tl.load(dy + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(bx * bx, 1) + eps)
     by = bx * rstd[:, None]
     bdx = (bdy - tl.sum(bdy * by, 1)[:, None] * by) * rstd[:, None]
     tl.store(dx + rows[:, None] * D + cols[None, :], bdx.to(dx.dtype.element_ty), mask=mask)
