@@ -202,3 +202,13 @@ def init_from_mpi(timeout: float = 120) -> tuple[int, int]:
     os.environ.setdefault("MASTER_PORT", str(port))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=td)
     return rank, size
+
+
+def error_of(fn, *args, **kwargs) -> str:
+    """The message of the ValueError/TypeError that ``fn`` raises, or "" if it returns (a rank's result
+    in tests that check every rank raises together)."""
+    try:
+        fn(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dist_utils import error_of as _error_of
 from oracle import rel_err
 from gdn_layer import GatedDeltaNet, GDNState
 from gdn_layer.parallel import gather_sequence, pad_for_sp, plan_slice, reduce_sp_grads, shard_sequence
@@ -148,14 +149,6 @@ def test_slice_plan_of_a_pack_straddling_boundaries():
 
 # --------------------------------------------------------------------------------------------------
 # errors: before any collective of the forward, on every rank together
-
-
-def _error_of(fn, *args, **kwargs) -> str:
-    try:
-        fn(*args, **kwargs)
-    except (TypeError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 def _errors(rank, world, case):

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dist_utils import error_of as _error_of
 from oracle import rel_err
 from gdn_layer import GatedDeltaNet
 from gdn_layer.parallel import gather_sequence, pad_for_sp, reduce_sp_grads, shard_sequence
@@ -174,15 +175,6 @@ def test_unsupported_head_counts_raise_on_every_rank(pool2, pool4, Hk, Hv, P):
     for msg in pool.run(_unsupported, Hk, Hv):
         assert msg.startswith("ValueError"), f"constructor accepted an unsupported head partition: {msg!r}"
         assert "num_k_heads" in msg and "num_v_heads" in msg
-
-
-def _error_of(fn, *args, **kwargs) -> str:
-    """The message of the ValueError/TypeError that ``fn`` raises, or "" if it returns."""
-    try:
-        fn(*args, **kwargs)
-    except (TypeError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
-    return ""
 
 
 def _disagree(rank, world):
