@@ -80,7 +80,6 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
     name = backend_name(backend, x.device)
     activation = "silu" if activation in ("silu", "swish") else "identity"
-
     y, final = ops.causal_conv1d_op(x, weight, bias, initial_state, cu, activation, output_final_state, name)
     return y, (final if output_final_state else None)
 

@@ -8,6 +8,7 @@ it does not register without torch_npu, and that our kernels pass the static no-
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch
@@ -32,6 +33,4 @@ def available(device: torch.device) -> tuple[bool, str]:
 
 
 def make_backend():
-    from .registry import Backend
-    b = fla_backend.make_backend()
-    return Backend(**{**b.__dict__, "name": "ascend", "available": available, "priority": 10})
+    return dataclasses.replace(fla_backend.make_backend(), name="ascend", available=available, priority=10)

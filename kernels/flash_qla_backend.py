@@ -30,9 +30,6 @@ _FALLBACK_LOGGED: set[str] = set()
 def _importable(capability: tuple[int, int]) -> tuple[bool, str]:
     if capability[0] not in (9, 10):
         return False, f"FlashQLA runs forward and backward on SM90/SM100 only, this GPU is SM{capability[0]}{capability[1]}"
-    ok, why = fla_backend.fla_importable()  # its fallback for ineligible calls
-    if not ok:
-        return ok, why
     try:
         import flash_qla  # noqa: F401
         from flash_qla.ops.gated_delta_rule import chunk  # noqa: F401
@@ -42,11 +39,8 @@ def _importable(capability: tuple[int, int]) -> tuple[bool, str]:
 
 
 def available(device: torch.device) -> tuple[bool, str]:
-    if device.type != "cuda":
-        return False, "FlashQLA runs on CUDA devices only"
-    if not torch.cuda.is_available():
-        return False, "this torch has no usable CUDA device"
-    return _importable(torch.cuda.get_device_capability(device))
+    ok, why = fla_backend.available(device)     # a CUDA device, and fla for the calls FlashQLA cannot run
+    return _importable(torch.cuda.get_device_capability(device)) if ok else (ok, why)
 
 
 def eligible(q, k, v, cu=None) -> str:

@@ -28,14 +28,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .reference import compute_dtype as math_dtype   # fp64 when any input is fp64, else fp32 (None ignored)
 from .registry import backend_by_name
 
 _EMPTY = (0,)
-
-
-def math_dtype(*tensors) -> torch.dtype:
-    """float64 when any given tensor is float64, else float32 (the kernels' rule for states)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _own(t: Tensor, *inputs) -> Tensor:
@@ -92,10 +88,8 @@ def _vjp(fwd, primals: tuple, cotangents: tuple) -> list:
 
 def _delta_rule_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, backend):
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    o = v.new_empty(v.shape)
-    if not output_final_state:
-        return o, q.new_empty(_EMPTY, dtype=math_dtype(q, k, v, g, beta, initial_state))
-    return o, q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=math_dtype(q, k, v, g, beta, initial_state))
+    shape = (N, v.shape[2], q.shape[3], v.shape[3]) if output_final_state else _EMPTY
+    return v.new_empty(v.shape), q.new_empty(shape, dtype=math_dtype(q, k, v, g, beta, initial_state))
 
 
 def _make_delta_rule_ops(kind: str):

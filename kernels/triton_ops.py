@@ -1,16 +1,10 @@
 """Our Triton kernels (``kernels/triton/``) behind the registry's call signatures, imported lazily.
 
 Shared by the CUDA backends (``"fla"``, ``"flash_qla"``) and the Ascend one: conv, gate, gated RMSNorm
-and the q/k L2 norm never go through fla's modules (which re-autotune on length buckets). Until the
-varlen conv kernel is present, the conv falls back to the torch reference (gradients by vjp).
+and the q/k L2 norm never go through fla's modules (which re-autotune on length buckets). Imported
+lazily so that ``gdn_layer.kernels`` imports where Triton does not.
 """
 from __future__ import annotations
-
-import importlib.util
-
-from . import reference
-
-HAS_TRITON_CONV = importlib.util.find_spec(__package__ + ".triton.conv") is not None
 
 
 def l2norm_fwd(x):
@@ -43,15 +37,11 @@ def norm_bwd(dy, x, z, weight, eps=1e-6):
     return gated_rms_norm_bwd(dy, x, z, weight, None, eps)
 
 
-def _conv_fwd(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
+def conv_fwd(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
     from .triton.conv import causal_conv1d_fwd
     return causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state)
 
 
-def _conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):
+def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):
     from .triton.conv import causal_conv1d_bwd
     return causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation)
-
-
-conv_fwd = _conv_fwd if HAS_TRITON_CONV else reference.causal_conv1d
-conv_bwd = _conv_bwd if HAS_TRITON_CONV else None

@@ -55,8 +55,7 @@ def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=Tru
     weight = torch.randn(C, W, dtype=dtype, generator=g)
     h0 = torch.randn(N, C, W - 1)
     y, fin = triton_ops.conv_fwd(mixed[..., :C], weight, None, "silu", cu, h0, True)
-    if triton_ops.conv_bwd is not None:
-        triton_ops.conv_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, h0)
+    triton_ops.conv_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, h0)
     a, b = mixed[..., C:C + Hv], mixed[..., C + Hv:]
     A_log, dt_bias = torch.randn(Hv), torch.randn(Hv)
     gate, beta = triton_ops.gate_fwd(a, b, A_log, dt_bias)
