@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs steps on a GPU machine (the team's loaned H200) and keeps each step's log under $OUT (or ./gpu-logs).
+# Usage: bash scripts/gpu_session.sh STEP[:TIMEOUT_S] ...
+# The GPU-side packages come from .device/site.tar.xz (bash ../shared/device/make_gpu_site.sh); the package
+# is laid out as gdn_layer/{kernels,parallel} in a temp dir, and every step runs from /tmp so that the
+# checkout's top-level kernels/ and parallel/ folders never shadow anything.
+set -u
+R=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$R/gpu-logs}; mkdir -p "$OUT"
+S=$(mktemp -d); tar xJf "$R/.device/site.tar.xz" -C "$S"
+P=$(mktemp -d); mkdir -p "$P/gdn_layer"
+cp -r "$R"/gdn_layer/* "$P/gdn_layer/"; cp -r "$R/kernels" "$P/gdn_layer/kernels"; cp -r "$R/parallel" "$P/gdn_layer/parallel"
+export PYTHONPATH=$P:$S PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)} TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$(mktemp -d)}
+cd /tmp
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.log"
+python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)" | tee -a "$OUT/env.log"
+step() {  # name timeout command...
+  local name=$1 t=$2; shift 2
+  echo "=== $name ($(date +%T), limit ${t}s): $*"
+  local s=$SECONDS
+  timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - s)) s"; tail -n 25 "$OUT/$name.log"
+}
+for spec in "$@"; do
+  name=${spec%%:*}; t=${spec#*:}; [ "$t" = "$spec" ] && t=300
+  case $name in
+    compile_fla)   step "$name" "$t" python3 "$R/examples/compile_check.py" --backend fla --json "$OUT/compile_fla.json" ;;
+    compile_auto)  step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --json "$OUT/compile_auto.json" ;;
+    vs_fla)        FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --T 32768 --docs 9 ;;
+    vs_fla_auto)   step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --T 32768 --docs 9 ;;
+    tests_fla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "not flash_qla" ;;
+    tests_qla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "flash_qla" ;;
+    tests_cuda)    step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda.py" ;;
+    a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
+    *)             echo "unknown step $name" ;;
+  esac
+done
