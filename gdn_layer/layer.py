@@ -6,6 +6,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from gdn_layer import kernels
 from gdn_layer.kernels import (causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, gdn_gate,
@@ -79,6 +80,12 @@ def _bits_fingerprint(tensors) -> torch.Tensor:
                 for t in tensors)
         sums = [b.sum(dtype=torch.int64) for b in bits]
     return digest_of(torch.stack(sums).cpu()) if sums else digest_of(0)
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """A bias-free ``nn.Linear`` itself (no subclass, wrapper or hook), whose weight may be used directly."""
+    return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
 
 
 class GatedDeltaNet(nn.Module):
@@ -382,8 +389,14 @@ class GatedDeltaNet(nn.Module):
         (pre-conv) and ``z [B, T, Hv, Dv]``."""
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         if self.projection_layout == "split":
-            qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
-            b, a = self.in_proj_b(x), self.in_proj_a(x)
+            parts = (self.in_proj_qkv, self.in_proj_a, self.in_proj_b)
+            z = self.in_proj_z(x)
+            if all(_plain_linear(m) for m in parts):
+                # one GEMM into the [qkv | a | b] buffer (no activation-sized concatenation); the weights'
+                # concatenation is ~(conv_dim + 2 Hv) x hidden elements, small next to T x conv_dim
+                mixed = F.linear(x, torch.cat([m.weight for m in parts]))
+                return mixed, z.reshape(*x.shape[:2], Hv, Dv)
+            qkv, a, b = (m(x) for m in parts)   # wrapped projections (LoRA, hooks, quantized): call them
         else:
             # transformers' fused order: per k head [q (Dk) | k (Dk) | v (r Dv) | z (r Dv)], [b (r) | a (r)]
             r = Hv // Hk

@@ -26,7 +26,8 @@ def rel_err(a, b):
 
 def compiled_count():
     total = 0
-    for fn in (conv._conv_fwd_kernel, conv._conv_state_fwd_kernel, conv._conv_bwd_kernel, conv._conv_state_bwd_kernel):
+    for fn in (conv._conv_fwd_kernel, conv._conv_state_fwd_kernel, conv._conv_dz_kernel, conv._conv_dx_kernel,
+               conv._conv_state_bwd_kernel):
         total += sum(len(v[0]) for v in fn.device_caches.values())
     return total
 
@@ -133,6 +134,30 @@ def bench(quick):
     print("BLOCK_T BLOCK_C warps   fwd ms  (GB/s)   bwd ms  (GB/s)")
     for bt, bc, nw, f, bw_ms in sorted(rows, key=lambda r: r[3] + r[4]):
         print(f"{bt:7d} {bc:7d} {nw:5d} {f:8.3f} {fwd_bytes / f / 1e6:7.0f} {bw_ms:8.3f} {bwd_bytes / bw_ms / 1e6:7.0f}")
+    compare_fla(x, w, b, cu, init, dy)
+
+
+def compare_fla(x, w, b, cu, init, dy):
+    """Ours vs fla's Triton causal_conv1d on the same inputs, forward and forward+backward through autograd
+    (fla gets a contiguous x: it does not take a channel slice)."""
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d as fla_conv
+    except ImportError as e:
+        print(f"fla's causal_conv1d not importable: {e}")
+        return
+    xc = x.contiguous().requires_grad_()
+    xs = x.detach().requires_grad_()  # ours reads the slice in place
+    wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+    runs = {"ours": lambda: conv.causal_conv1d(xs, wl, bl, "silu", cu, init, True)[0],
+            "fla": lambda: fla_conv(xc, wl, bl, None, init, True, "silu", cu_seqlens=cu.to(torch.int32))[0]}
+    for name, fn in runs.items():
+        try:
+            with torch.no_grad():
+                f = do_bench(fn, return_mode="median")
+            fb = do_bench(lambda: fn().backward(dy), return_mode="median")
+            print(f"{name:5s} conv (autograd): fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms")
+        except Exception as e:  # report, keep going
+            print(f"{name} conv failed: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

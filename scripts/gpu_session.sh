@@ -6,14 +6,17 @@
 # checkout's top-level kernels/ and parallel/ folders never shadow anything.
 set -u
 R=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$R/gpu-logs}; mkdir -p "$OUT"
-S=$(mktemp -d); tar xJf "$R/.device/site.tar.xz" -C "$S"
+# Logs go to $LOGS (default /tmp/gpu-logs); the device tool returns at most 8 files, so collect them
+# with `tar czf $OUT/logs.tgz -C /tmp gpu-logs` at the end of the call. Several invocations (one per GPU,
+# run in parallel with CUDA_VISIBLE_DEVICES) share the unpacked site and the compile caches.
+LOGS=${LOGS:-/tmp/gpu-logs}; mkdir -p "$LOGS"; OUT=$LOGS
+S=/tmp/gpu-site; [ -f "$S/.done" ] || { mkdir -p "$S" && tar xJf "$R/.device/site.tar.xz" -C "$S" && touch "$S/.done"; }
 P=$(mktemp -d); mkdir -p "$P/gdn_layer"
 cp -r "$R"/gdn_layer/* "$P/gdn_layer/"; cp -r "$R/kernels" "$P/gdn_layer/kernels"; cp -r "$R/parallel" "$P/gdn_layer/parallel"
 export PYTHONPATH=$P:$S PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$(mktemp -d)} TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$(mktemp -d)}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tilelang-cache}
 cd /tmp
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.log"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.log"
 python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)" | tee -a "$OUT/env.log"
 step() {  # name timeout command...
   local name=$1 t=$2; shift 2
@@ -32,6 +35,10 @@ for spec in "$@"; do
     tests_fla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "not flash_qla" ;;
     tests_qla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "flash_qla" ;;
     tests_cuda)    step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda.py" ;;
+    conv)          step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" ;;
+    profile)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend fla ;;
+    profile_auto)  step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto ;;
+    parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend fla --seq-lens 65536 131072 --docs 9 ;;
     a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
     *)             echo "unknown step $name" ;;
   esac

@@ -155,6 +155,28 @@ def test_fused_layout_equals_split_layout_with_reordered_weights():
     assert rel_err(fused(x), split(x)) <= 1e-6
 
 
+def test_one_gemm_projection_equals_the_module_calls_and_honours_wrapped_projections():
+    """The split layout projects [qkv | a | b] with one GEMM over the concatenated weights; a projection
+    that is wrapped (here: a forward hook, as LoRA or FSDP per-module sharding would add) is called."""
+    layer = make_layer()
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    y = layer(x)
+    gw = torch.autograd.grad(y.square().sum(), [x, layer.in_proj_qkv.weight, layer.in_proj_a.weight,
+                                                layer.in_proj_b.weight])
+    mods = (layer.in_proj_qkv, layer.in_proj_a, layer.in_proj_b)
+    mixed = torch.cat([m(x) for m in mods], -1)   # what the modules compute, called one by one
+    assert torch.allclose(layer._project(x)[0], mixed, rtol=1e-6, atol=1e-6)
+    hooks = [m.register_forward_hook(lambda mod, inp, out: out) for m in mods]   # identity: same math
+    y2 = layer(x)
+    gw2 = torch.autograd.grad(y2.square().sum(), [x, *(m.weight for m in mods)])
+    assert rel_err(y2, y) <= 1e-6 and all(rel_err(a, b) <= 1e-6 for a, b in zip(gw2, gw))
+    for h in hooks:
+        h.remove()
+    handle = layer.in_proj_a.register_forward_hook(lambda mod, inp, out: out * 3.0)
+    assert rel_err(layer(x), y) > 1e-3       # the hook's change reaches the output
+    handle.remove()
+
+
 def test_initialisation_follows_transformers():
     layer = GatedDeltaNet(64, 4, 8, 32, 32)
     assert torch.equal(layer.dt_bias, torch.ones(8)) and torch.equal(layer.norm.weight, torch.ones(32))

@@ -126,9 +126,9 @@ class _Spy:
 
 
 def test_strided_view_is_read_in_place(monkeypatch):
-    fwd, bwd = _Spy(conv._conv_fwd_kernel), _Spy(conv._conv_bwd_kernel)
+    fwd, bwd = _Spy(conv._conv_fwd_kernel), _Spy(conv._conv_dz_kernel)
     monkeypatch.setattr(conv, "_conv_fwd_kernel", fwd)
-    monkeypatch.setattr(conv, "_conv_bwd_kernel", bwd)
+    monkeypatch.setattr(conv, "_conv_dz_kernel", bwd)
     inp = make_inputs(2, 33, 8, 4, extra=9)
     got = assert_matches_reference(inp, "silu")
     assert len(fwd.calls) == 1 and len(bwd.calls) == 1

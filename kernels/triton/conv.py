@@ -6,17 +6,21 @@ conv state ``initial_state[n]``, zeros when None)::
     z_t = bias_c + sum_{i=0}^{W-1} weight[c, W-1-i] * xin_{t-i}        y_t = silu(z_t) or z_t
     final_state[n] = the last W-1 entries of [initial_state[n] | x_n]     (oldest first)
 
-Four kernels, all with one fixed config (block sizes from C and W only) and every length- or
+Five kernels, all with one fixed config (block sizes from C and W only) and every length- or
 count-derived argument (``T``, batch strides) a runtime argument in ``do_not_specialize``, so a new
 packed layout compiles nothing:
 
 - ``_conv_fwd_kernel``, grid ``(cdiv(T, BLOCK_T) * B, cdiv(C, BLOCK_C))``: y for a tile of tokens x
   channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the caches).
 - ``_conv_state_fwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: gathers ``final_state[n]``.
-- ``_conv_bwd_kernel``, same grid as the forward: dx for its tile, plus its partial sums of dweight
-  and dbias (summed over the tiles in torch afterwards: deterministic, no atomics). The pre-activation
-  is recomputed from x (at the W shifts each x feeds), nothing is saved by the forward but its inputs.
-- ``_conv_state_bwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: ``d initial_state[n]``.
+- ``_conv_dz_kernel``, same grid as the forward: the pre-activation's gradient dz (z recomputed from
+  x; the forward saves nothing but its inputs) into a ``[B, T, C]`` scratch buffer, plus the tile's
+  partial sums of dweight and dbias (summed over the tiles in torch afterwards: deterministic, no
+  atomics).
+- ``_conv_dx_kernel``, same grid: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
+  instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
+  spilled registers; the scratch round trip costs less.
+- ``_conv_state_bwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: ``d initial_state[n]`` from dz.
 
 With ``cu`` (packed, B == 1) each token's sequence index comes from ``torch.searchsorted`` on the
 device (no host sync). x is read in place through its strides (typically a channel slice of a wider
@@ -146,17 +150,16 @@ def _conv_state_fwd_kernel(x, init, cu, final, T, C, stride_xb, stride_xt, strid
 
 
 @triton.jit(do_not_specialize=["T", "stride_xb", "stride_dyb"])
-def _conv_bwd_kernel(x, w, bias, init, seq_idx, cu, dy, dfinal, dx, dw_part, db_part,
-                     T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
-                     stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
-                     stride_dfn, stride_dfc, stride_dfk,
-                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr,
-                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx for the forward's tile, and this tile's partial dweight [C, W] / dbias [C] (row pid of the parts).
+def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dz, dw_part, db_part,
+                    T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+                    stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
+                    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dz (the pre-activation's gradient) for the forward's tile, and the tile's partial dweight [C, W]
+    and dbias [C] (row pid of the parts).
 
-    x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence), so each j recomputes z one
-    shift later; dfinal adds to the last W-1 tokens of each sequence.
+    z is recomputed from x (W taps); the taps are read again for dweight (cache hits).
     """
     pid = tl.program_id(0)
     n_tb = tl.cdiv(T, BLOCK_T)
@@ -167,53 +170,73 @@ def _conv_bwd_kernel(x, w, bias, init, seq_idx, cu, dy, dfinal, dx, dw_part, db_
     if IS_VARLEN:
         n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
         s = tl.load(cu + n, mask=tmask, other=0)
-        length1 = tl.load(cu + n + 1, mask=tmask, other=0) - s
         x_base = (s * stride_xt)[:, None]
         dy_base = (s * stride_dyt)[:, None]
-        n_row = n[:, None]
+        init_base = (n * stride_in)[:, None]
         r1 = t - s
     else:
-        length1 = T + tl.zeros((BLOCK_T,), tl.int64)
         x_base = b * stride_xb
         dy_base = b * stride_dyb
-        n_row = b
+        init_base = b * stride_in
         r1 = t
-    r, length = r1[:, None], length1[:, None]
-    near_start = tl.min(tl.where(tmask, r1, W)) < W - 1
-    near_end = tl.min(tl.where(tmask, length1 - r1, W)) < W
+    r = r1[:, None]
+    near = tl.min(tl.where(tmask, r1, W)) < W - 1
     c2, cm2 = c[None, :], cmask[None, :]
     valid = tmask[:, None] & cm2
-    init_base = n_row * stride_in
-    dx_acc = tl.zeros((BLOCK_T, BLOCK_C), ACC)
+    g = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c2, valid, near, cm2,
+            stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+            W, HAS_BIAS, HAS_INIT, SILU, ACC)
+    tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
+    part = pid.to(tl.int64) * C + c
+    if HAS_BIAS:
+        tl.store(db_part + part, tl.sum(g, 0), mask=cmask)
+    for i in tl.static_range(W):
+        xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
+                  W, HAS_INIT, ACC)
+        tl.store(dw_part + part * W + (W - 1 - i), tl.sum(g * xi, 0), mask=cmask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
+                    W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx for the forward's tile: x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence),
+    so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last W-1 tokens of each sequence.
+
+    dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output).
+    """
+    pid = tl.program_id(0)
+    n_tb = tl.cdiv(T, BLOCK_T)
+    b = (pid // n_tb).to(tl.int64)
+    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    tmask, cmask = t < T, c < C
+    if IS_VARLEN:
+        n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
+        end1 = tl.load(cu + n + 1, mask=tmask, other=0)      # one past the sequence's last token
+        n_row = n[:, None]
+    else:
+        end1 = T + tl.zeros((BLOCK_T,), tl.int64)
+        n_row = b
+    c2, cm2 = c[None, :], cmask[None, :]
+    valid = tmask[:, None] & cm2
+    tt, end = t[:, None], end1[:, None]
+    rows = b * T + tt
+    acc = tl.zeros((BLOCK_T, BLOCK_C), ACC)
     for j in tl.static_range(W):
-        dz = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r + j, c2, valid & (r + j < length), near_start, cm2,
-                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
-                 W, HAS_BIAS, HAS_INIT, SILU, ACC)
         w_j = tl.load(w + c2 * stride_wc + (W - 1 - j) * stride_ww, mask=cm2, other=0.0).to(ACC)
-        dx_acc += w_j * dz
-        if j == 0:  # dz of this tile's own tokens: its share of dweight and dbias
-            part = pid.to(tl.int64) * C + c
-            if HAS_BIAS:
-                tl.store(db_part + part, tl.sum(dz, 0), mask=cmask)
-            for i in tl.static_range(W):
-                xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near_start, stride_xt, stride_xc, stride_ic, stride_ik,
-                          W, HAS_INIT, ACC)
-                tl.store(dw_part + part * W + (W - 1 - i), tl.sum(dz * xi, 0), mask=cmask)
+        acc += w_j * tl.load(dz + (rows + j) * C + c2, mask=valid & (tt + j < end), other=0.0).to(ACC)
     if HAS_DFINAL:
-        if near_end:
-            k = W - 1 - (length - r)  # x_p is final-state entry k when it is among the last W-1 tokens
-            dx_acc += tl.load(dfinal + n_row * stride_dfn + c2 * stride_dfc + k * stride_dfk,
-                              mask=valid & (k >= 0), other=0.0).to(ACC)
-    tl.store(dx + (b * T + t)[:, None] * C + c2, dx_acc.to(dx.dtype.element_ty), mask=valid)
+        if tl.min(tl.where(tmask, end1 - t, W)) < W:
+            k = W - 1 - (end - tt)  # x_p is final-state entry k when it is among the last W-1 tokens
+            acc += tl.load(dfinal + n_row * stride_dfn + c2 * stride_dfc + k * stride_dfk,
+                           mask=valid & (k >= 0), other=0.0).to(ACC)
+    tl.store(dx + rows * C + c2, acc.to(dx.dtype.element_ty), mask=valid)
 
 
-@triton.jit(do_not_specialize=["T", "stride_xb", "stride_dyb"])
-def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dfinal, dinit,
-                           T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
-                           stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
-                           stride_dfn, stride_dfc, stride_dfk,
-                           W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DFINAL: tl.constexpr,
-                           IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+@triton.jit(do_not_specialize=["T"])
+def _conv_state_bwd_kernel(w, cu, dz, dfinal, dinit, T, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
+                           W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
     """d initial_state[n, c, k] for one sequence n and a block of channels (all W-1 entries k).
 
@@ -227,23 +250,16 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dfinal, dinit,
     if IS_VARLEN:
         s = tl.load(cu + n)
         length = tl.load(cu + n + 1) - s
-        x_base = s * stride_xt
-        dy_base = s * stride_dyt
     else:
+        s = n * T
         length = T + tl.zeros((), tl.int64)
-        x_base = n * stride_xb
-        dy_base = n * stride_dyb
     kvalid = cmask & (k < W - 1)
     r = k - (W - 1)
-    init_base = n * stride_in
     acc = tl.zeros((BLOCK_C, BLOCK_K), ACC)
     for j in tl.static_range(W):
         rt = r + j
-        dz = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, rt, c, kvalid & (rt >= 0) & (rt < length), True, cmask,
-                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
-                 W, HAS_BIAS, True, SILU, ACC)
         w_j = tl.load(w + c * stride_wc + (W - 1 - j) * stride_ww, mask=cmask, other=0.0).to(ACC)
-        acc += w_j * dz
+        acc += w_j * tl.load(dz + (s + rt) * C + c, mask=kvalid & (rt >= 0) & (rt < length), other=0.0).to(ACC)
     if HAS_DFINAL:
         kf = k - length
         acc += tl.load(dfinal + n * stride_dfn + c * stride_dfc + kf * stride_dfk,
@@ -322,26 +338,33 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     block_c = _block_c(C)
     n_prog = triton.cdiv(T, BLOCK_T) * B
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise (it only feeds dx,
+    # which is rounded to that dtype anyway; dweight and dbias are summed from the fp32 values)
+    dz = torch.empty(B, T, C, dtype=dt if x.element_size() >= 4 else x.dtype, device=x.device)
     dw_part = torch.zeros(n_prog, C, W, dtype=dt, device=x.device)
     db_part = torch.zeros(n_prog, C, dtype=dt, device=x.device)
     dummy = x
     sin, sdf = _strides3(initial_state), _strides3(dfinal)
-    common = dict(W=W, HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, IS_VARLEN=cu is not None,
-                  SILU=silu, ACC=acc, BLOCK_C=block_c, num_warps=NUM_WARPS)
-    args = (weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state)
+    flags = dict(W=W, IS_VARLEN=cu is not None, ACC=acc, BLOCK_C=block_c, num_warps=NUM_WARPS)
+    seq_idx = dummy if cu is None else _seq_index(cu, T, x.device)
     cu_arg, df_arg = (dummy if cu is None else cu), (dummy if dfinal is None else dfinal)
-    strides = (T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
-               0 if bias is None else bias.stride(0), *sin, *dy.stride(), *sdf)
     if n_prog > 0 and C > 0:
-        _conv_bwd_kernel[(n_prog, triton.cdiv(C, block_c))](
-            x, *args, dummy if cu is None else _seq_index(cu, T, x.device), cu_arg, dy, df_arg,
-            dx, dw_part, db_part, *strides, HAS_INIT=initial_state is not None, BLOCK_T=BLOCK_T, **common)
+        _conv_dz_kernel[(n_prog, triton.cdiv(C, block_c))](
+            x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
+            seq_idx, cu_arg, dy, dz, dw_part, db_part,
+            T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+            0 if bias is None else bias.stride(0), *sin, *dy.stride(),
+            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=BLOCK_T, **flags)
+        _conv_dx_kernel[(n_prog, triton.cdiv(C, block_c))](
+            weight, seq_idx, cu_arg, dz, df_arg, dx, T, C, weight.stride(0), weight.stride(1), *sdf,
+            HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, **flags)
     dinit = None
     if initial_state is not None:
         dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)
         if dinit.numel() > 0:
             _conv_state_bwd_kernel[(N, triton.cdiv(C, block_c))](
-                x, *args, cu_arg, dy, df_arg, dinit, *strides, BLOCK_K=triton.next_power_of_2(W - 1), **common)
+                weight, cu_arg, dz, df_arg, dinit, T, C, weight.stride(0), weight.stride(1), *sdf,
+                HAS_DFINAL=dfinal is not None, BLOCK_K=triton.next_power_of_2(W - 1), **flags)
     dweight = dw_part.sum(0).to(weight.dtype)
     dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
     return dx, dweight, dbias, dinit
