@@ -44,13 +44,13 @@ def _hf_sizes(hf_module: nn.Module) -> dict:
                 norm_eps=hf_module.layer_norm_epsilon, projection_layout=layout)
 
 
-def _build(cls, hf_module: nn.Module, sp_group, backend):
+def _build(cls, hf_module: nn.Module, sp_group, backend, cp_group=None):
     sizes = _hf_sizes(hf_module)
     activation = getattr(hf_module, "activation", "silu")
     if activation not in ("silu", "swish"):
         raise ValueError(f"only the SiLU conv activation is supported, hf_module uses {activation!r}")
     p = hf_module.out_proj.weight
-    layer = cls(**sizes, sp_group=sp_group, backend=backend, device=p.device, dtype=p.dtype)
+    layer = cls(**sizes, sp_group=sp_group, cp_group=cp_group, backend=backend, device=p.device, dtype=p.dtype)
     layer.load_state_dict(hf_module.state_dict(), strict=True)
     # the copy behaves as the block did: frozen parameters stay frozen, an eval() block stays in eval
     old_params, old_modules = dict(hf_module.named_parameters()), dict(hf_module.named_modules())
@@ -61,14 +61,15 @@ def _build(cls, hf_module: nn.Module, sp_group, backend):
     return layer
 
 
-def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto") -> GatedDeltaNet:
+def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> GatedDeltaNet:
     """A ``GatedDeltaNet`` with the sizes and a copy of the weights of a transformers block, and its
-    flags: each parameter's ``requires_grad`` and each submodule's ``training``.
+    flags: each parameter's ``requires_grad`` and each submodule's ``training``. ``sp_group`` and
+    ``cp_group`` as in ``GatedDeltaNet`` (Ulysses; state passing, docs/context_parallel.md).
 
     Raises:
         TypeError: ``hf_module`` is not a transformers GatedDeltaNet block.
     """
-    return _build(GatedDeltaNet, hf_module, sp_group, backend)
+    return _build(GatedDeltaNet, hf_module, sp_group, backend, cp_group)
 
 
 _POSITION_KEY = "gdn_position_ids"  # how the parent layer's position_ids reach the block (_pass_position_ids)
@@ -206,7 +207,7 @@ def _takes_position_ids(module: nn.Module) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in params) and any(p.name == "position_ids" for p in params)
 
 
-def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto") -> int:
+def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> int:
     """Replace every transformers GatedDeltaNet block in ``model`` by an ``HFGatedDeltaNet`` in place.
 
     Weights are copied, parameter names are unchanged (checkpoints still load), and the model's own
@@ -214,12 +215,13 @@ def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto") 
     ``requires_grad`` and every submodule's ``training``. The new blocks hold new ``Parameter``
     objects: build the optimizer (and FSDP / DDP wrappers) after swapping. Each parent layer that takes
     ``position_ids`` gets a forward pre-hook that passes them to the block, so packs described only by
-    restarting ``position_ids`` stay apart. Returns the number of blocks replaced.
+    restarting ``position_ids`` stay apart. ``sp_group`` / ``cp_group``: as in ``GatedDeltaNet``.
+    Returns the number of blocks replaced.
     """
     targets = [(name, m) for name, m in model.named_modules()
                if type(m).__name__.endswith("GatedDeltaNet") and type(m).__module__.startswith("transformers.")]
     for name, m in targets:
-        new = _build(HFGatedDeltaNet, m, sp_group, backend)
+        new = _build(HFGatedDeltaNet, m, sp_group, backend, cp_group)
         new.layer_idx = m.layer_idx
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         setattr(parent, name.rpartition(".")[2], new)

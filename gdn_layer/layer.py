@@ -179,10 +179,10 @@ class GatedDeltaNet(nn.Module):
         self.reset_parameters()
 
     @classmethod
-    def from_hf(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto") -> "GatedDeltaNet":
+    def from_hf(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> "GatedDeltaNet":
         """Build from a transformers Qwen3-Next / Qwen3.5 GatedDeltaNet block, copying its weights."""
         from gdn_layer.hf import from_hf  # transformers is optional
-        return from_hf(hf_module, sp_group=sp_group, backend=backend)
+        return from_hf(hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
 
     # ----------------------------------------------------------------------------------------------
     # construction helpers

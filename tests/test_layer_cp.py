@@ -251,3 +251,27 @@ def _state_only_grad(rank, world, cp, sp):
 def test_frozen_layer_with_a_trainable_initial_state(pool4, cp, sp):
     for err in pool4.run(_state_only_grad, cp, sp, timeout=120):
         assert err <= TOL, err
+
+
+def _from_hf_cp(rank, world):
+    """A transformers block converted with cp_group: each rank's slice equals the block on the whole pack."""
+    import test_hf
+    from gdn_layer.hf import swap_gated_deltanet
+    torch.manual_seed(3)
+    model = test_hf.qwen3_5()
+    block = model.model.layers[0].linear_attn
+    x = torch.randn(1, 32, 64, generator=torch.Generator().manual_seed(4))
+    group = dist.new_group([0, 1])
+    with torch.no_grad():
+        want = block(x)[:, rank * 16:(rank + 1) * 16]
+        layer = GatedDeltaNet.from_hf(block, cp_group=group)
+        got = layer(x[:, rank * 16:(rank + 1) * 16].contiguous())
+        n = swap_gated_deltanet(model, cp_group=group)
+        swapped = model.model.layers[0].linear_attn
+    return layer.cp_size, rel_err(got, want), n, swapped.cp_size
+
+
+def test_from_hf_and_swap_take_cp_group(pool2):
+    pytest.importorskip("transformers")
+    for cp_size, err, n, swapped_cp in pool2.run(_from_hf_cp, timeout=120):
+        assert (cp_size, n, swapped_cp) == (2, 2, 2) and err <= TOL, (cp_size, err, n, swapped_cp)
