@@ -33,6 +33,7 @@ for spec in "$@"; do
     tests_qla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "flash_qla" ;;
     tests_cuda)    step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda.py" ;;
     a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
+    parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 --json "$OUT/bench_parallel.json" ;;
     *)             echo "unknown step $name" ;;
   esac
 done
