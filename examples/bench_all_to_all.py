@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the sibling timing.py
 
 import torch
 import torch.distributed as dist
 
 from gdn_layer import GatedDeltaNet
 from gdn_layer.parallel import head_to_seq, seq_to_head
+from timing import Timer
 
 
 def parse_args(argv=None):
@@ -39,41 +41,6 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", help="rank 0 also writes the rows here")
     return p.parse_args(argv)
-
-
-class Timer:
-    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup``, the slowest rank's."""
-
-    def __init__(self, device, group, iters, warmup):
-        self.device, self.group, self.iters, self.warmup = device, group, iters, warmup
-        self.flag = torch.zeros(1, device=device)
-
-    def _sync(self):
-        # every rank starts the timed call together: an all-reduce, then wait for the device
-        dist.all_reduce(self.flag, group=self.group)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def __call__(self, fn) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.iters):
-            self._sync()
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-        worst = torch.tensor([statistics.median(times)], device=self.device, dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
-        return float(worst)
 
 
 def raw_all_to_all(numel, dtype, device, group):

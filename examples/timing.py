@@ -1,0 +1,120 @@
+"""Timing and traffic helpers shared by the multi-rank benchmarks (``bench_all_to_all.py``, ``bench_parallel.py``)."""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class Timer:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup``, the slowest rank's of ``group``.
+
+    CUDA events on a CUDA ``device``, ``perf_counter`` otherwise. Every timed run starts after an
+    all-reduce over ``group`` and a device sync, so no rank's clock starts while another is still busy.
+    ``group=None``: this process alone (no collective at all), for a run on one rank while the others wait.
+    """
+
+    def __init__(self, device, group, iters, warmup):
+        self.device, self.group, self.iters, self.warmup = device, group, iters, warmup
+        self.flag = torch.zeros(1, device=device)
+
+    def _sync(self):
+        if self.group is not None:
+            dist.all_reduce(self.flag, group=self.group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            self._sync()
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+        worst = torch.tensor([statistics.median(times)], device=self.device, dtype=torch.float64)
+        if self.group is not None:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.group)
+        return float(worst)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+# For each torch.distributed collective: the tensors this rank puts on the wire, from (args, kwargs).
+# Rooted ones (broadcast, scatter) count only on the root; the others count every rank's input.
+def _arg(args, kwargs, i, name):
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _from_root(i_tensor, tensor_name, i_src):
+    """Rooted collectives (broadcast, scatter): only the root sends, ``src`` a global rank or ``group_src``
+    a rank of ``group``."""
+    def sent(args, kwargs):
+        src = _arg(args, kwargs, i_src, "src")
+        root = dist.get_rank() == src if src is not None else (
+            dist.get_rank(kwargs.get("group")) == kwargs.get("group_src"))
+        t = _arg(args, kwargs, i_tensor, tensor_name)
+        return (list(t) if isinstance(t, (list, tuple)) else [t]) if root else []
+    return sent
+
+
+_SENT = {
+    "all_to_all_single": lambda a, k: [_arg(a, k, 1, "input")],
+    "all_to_all": lambda a, k: list(_arg(a, k, 1, "input_tensor_list")),
+    "all_gather": lambda a, k: [_arg(a, k, 1, "tensor")],
+    "all_gather_into_tensor": lambda a, k: [_arg(a, k, 1, "input_tensor")],
+    "all_gather_single": lambda a, k: [_arg(a, k, 1, "input_tensor")],
+    "all_reduce": lambda a, k: [_arg(a, k, 0, "tensor")],
+    "reduce": lambda a, k: [_arg(a, k, 0, "tensor")],
+    "reduce_scatter": lambda a, k: list(_arg(a, k, 1, "input_list")),
+    "reduce_scatter_tensor": lambda a, k: [_arg(a, k, 1, "input")],
+    "reduce_scatter_single": lambda a, k: [_arg(a, k, 1, "input")],
+    "gather": lambda a, k: [_arg(a, k, 0, "tensor")],
+    "send": lambda a, k: [_arg(a, k, 0, "tensor")],
+    "isend": lambda a, k: [_arg(a, k, 0, "tensor")],
+    "broadcast": _from_root(0, "tensor", 1),
+    "scatter": _from_root(1, "scatter_list", 2),
+}
+
+
+@contextlib.contextmanager
+def count_sent_bytes():
+    """Count the bytes this rank hands to ``torch.distributed`` collectives inside the ``with`` block.
+
+    Yields a dict whose ``"bytes"`` (total) and ``"calls"`` (``{name: count}``) fill in as collectives run.
+    The input tensors' sizes are summed (an all-gather counts this rank's shard once, an all-to-all its
+    whole send buffer, an all-reduce its buffer once), which is what the caller asked the library to
+    move, not the wire traffic of a particular algorithm. Only calls through the ``torch.distributed``
+    namespace are seen (what ``gdn_layer.parallel`` uses); the originals are restored on exit.
+    """
+    counts = {"bytes": 0, "calls": {}}
+    originals = {name: getattr(dist, name) for name in _SENT if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            counts["bytes"] += _nbytes(_SENT[name](args, kwargs))
+            counts["calls"][name] = counts["calls"].get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return counted
+
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
