@@ -41,7 +41,6 @@ for spec in "$@"; do
     profile_auto)  step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto ;;
     parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend fla --seq-lens 65536 131072 --docs 9 ;;
     a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
-    parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 --json "$OUT/bench_parallel.json" ;;
     *)             echo "unknown step $name" ;;
   esac
 done
