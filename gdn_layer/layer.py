@@ -430,11 +430,12 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
-        qkv, conv_state = causal_conv1d(mixed[..., :C], weight, None, activation="silu", cu_seqlens=cu,
+        # one split (not two slices): its backward writes the gradient of mixed with one concatenation
+        x, a, b = mixed.split([C, hv, hv], -1)
+        qkv, conv_state = causal_conv1d(x, weight, None, activation="silu", cu_seqlens=cu,
                                         initial_state=initial_state,
                                         output_final_state=output_state, backend=self._backend)
         q, k, v = qkv.split([hk * Dk, hk * Dk, hv * Dv], -1)
-        a, b = mixed[..., C:].split([hv, hv], -1)
         return (q.unflatten(-1, (hk, Dk)), k.unflatten(-1, (hk, Dk)), v.unflatten(-1, (hv, Dv)),
                 a, b, conv_state)
 

@@ -39,7 +39,7 @@ for spec in "$@"; do
     conv)          step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" ;;
     profile)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend fla ;;
     profile_auto)  step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto ;;
-    parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend fla --seq-lens 65536 131072 --docs 9 ;;
+    parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 ;;
     a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
     *)             echo "unknown step $name" ;;
   esac
