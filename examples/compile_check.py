@@ -10,6 +10,7 @@ first-call vs steady-state time. Must print 0 new compiles everywhere.
 
     python examples/compile_check.py --backend auto --dtype bfloat16          # Qwen3-Next's layer shape
     python examples/compile_check.py --backend fla --dtype float32 --head-dim 64
+    python examples/compile_check.py --backend auto --no-states      # the training path only (faster cold)
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def main(argv=None):
     ap.add_argument("--k-heads", type=int, default=16)
     ap.add_argument("--v-heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--no-states", action="store_true",
+                    help="warmup(include_states=False): build only the stateless training path, and time that")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
 
@@ -65,7 +68,7 @@ def main(argv=None):
     print(f"backend {args.backend!r} -> {layer.resolved_backend!r}; torch {torch.__version__}, triton "
           f"{triton.__version__}; {torch.cuda.get_device_name()}", flush=True)
     files0 = {k: count_files(v) for k, v in caches.items()}
-    warm_s = warmup(layer)
+    warm_s = warmup(layer, include_states=not args.no_states)
     after_warm = {k: count_files(v) for k, v in caches.items()}
     print(f"warmup: {warm_s:.1f} s, Triton compiles {jit_compiles[0]}, cache files "
           f"{ {k: after_warm[k] - files0[k] for k in caches} }", flush=True)

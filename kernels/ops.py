@@ -92,6 +92,20 @@ def _delta_rule_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_
     return v.new_empty(v.shape), q.new_empty(shape, dtype=math_dtype(q, k, v, g, beta, initial_state))
 
 
+def _as_packed(b, cu_seqlens, *tensors):
+    """A dense ``[B, T, ...]`` call as one pack ``[1, B*T, ...]`` with ``cu = [0, T, 2T, ..., B*T]``, for
+    backends with ``dense_as_packed`` (the math is the same: each row is its own sequence). Returns
+    ``(cu, tensors, unfold)``; ``unfold(x)`` gives a ``[1, B*T, ...]`` result its ``[B, T, ...]`` shape back.
+    Unchanged (and ``unfold`` the identity) for packed calls, other backends and empty inputs."""
+    q = tensors[0]
+    B, T = q.shape[:2]
+    if cu_seqlens is not None or not b.dense_as_packed or B * T == 0:
+        return cu_seqlens, tensors, lambda x: x
+    cu = torch.arange(0, B * T + 1, T, device=q.device, dtype=torch.int64)
+    flat = tuple(t.reshape(1, B * T, *t.shape[2:]) for t in tensors)
+    return cu, flat, lambda x: x.reshape(B, T, *x.shape[2:])
+
+
 def _make_delta_rule_ops(kind: str):
     fwd_attr, bwd_attr = f"{kind}_gated_delta_rule", f"{kind}_gated_delta_rule_bwd"
 
@@ -99,9 +113,11 @@ def _make_delta_rule_ops(kind: str):
     def op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
            cu_seqlens: Optional[Tensor], scale: float, output_final_state: bool, use_qk_l2norm: bool,
            backend: str) -> tuple[Tensor, Tensor]:
-        impl = getattr(backend_by_name(backend), fwd_attr)
-        o, final = impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, cu=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+        b = backend_by_name(backend)
+        cu, (fq, fk, fv, fg, fbeta), unfold = _as_packed(b, cu_seqlens, q, k, v, g, beta)
+        o, final = getattr(b, fwd_attr)(fq, fk, fv, fg, fbeta, scale=scale, initial_state=initial_state,
+                                        output_final_state=output_final_state, cu=cu, use_qk_l2norm=use_qk_l2norm)
+        o = unfold(o)
         dt = math_dtype(q, k, v, g, beta, initial_state)
         final = final.to(dt) if final is not None else q.new_empty(_EMPTY, dtype=dt)
         return _own(o.to(v.dtype), q, k, v, g, beta, initial_state), _own(final, q, k, v, g, beta, initial_state)
@@ -115,16 +131,18 @@ def _make_delta_rule_ops(kind: str):
         b = backend_by_name(backend)
         custom = getattr(b, bwd_attr)
         if custom is not None:
-            dq, dk, dv, dg, dbeta, dh0 = custom(do, dfinal, q, k, v, g, beta, scale=scale,
-                                                initial_state=initial_state, cu=cu_seqlens,
-                                                use_qk_l2norm=use_qk_l2norm)
+            cu, (fdo, fq, fk, fv, fg, fbeta), unfold = _as_packed(b, cu_seqlens, do, q, k, v, g, beta)
+            dq, dk, dv, dg, dbeta, dh0 = custom(fdo, dfinal, fq, fk, fv, fg, fbeta, scale=scale,
+                                                initial_state=initial_state, cu=cu, use_qk_l2norm=use_qk_l2norm)
+            dq, dk, dv, dg, dbeta = map(unfold, (dq, dk, dv, dg, dbeta))
         else:
             fwd = getattr(b, fwd_attr)
 
             def f(q, k, v, g, beta, h0):
+                cu, (q, k, v, g, beta), unfold = _as_packed(b, cu_seqlens, q, k, v, g, beta)
                 o, fin = fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
-                             output_final_state=output_final_state, cu=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
-                return (o, fin) if output_final_state else (o,)
+                             output_final_state=output_final_state, cu=cu, use_qk_l2norm=use_qk_l2norm)
+                return (unfold(o), fin) if output_final_state else (unfold(o),)
 
             dq, dk, dv, dg, dbeta, dh0 = _vjp(f, (q, k, v, g, beta, initial_state), (do, dfinal)[:1 + output_final_state])
         grads = [x.to(ref.dtype) for x, ref in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta))]

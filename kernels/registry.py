@@ -43,6 +43,9 @@ class Backend:
     causal_conv1d_bwd: Callable | None = None
     gdn_gate_bwd: Callable | None = None
     gated_rms_norm_bwd: Callable | None = None
+    # run dense ``[B, T]`` delta-rule calls as a pack of B sequences of T tokens (exact): compiled
+    # backends then build one (varlen) kernel variant per flag set instead of two
+    dense_as_packed: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}

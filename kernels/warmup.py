@@ -5,9 +5,11 @@ never on lengths or sequence counts; so one small run per flag combination build
 later packed layout of any total length and count compiles nothing (``examples/compile_check.py``
 shows it on a GPU; ``tests/test_triton_compile.py`` on CPU with Triton's real compiler).
 
-The flag combinations: packed (``cu_seqlens``) and dense ``[B, T]`` inputs; with and without an
-initial state and a returned state; the decode path (one token per sequence, the recurrent kernel);
-each forward and backward. Triton's (and tilelang's) disk caches make a second process start warm.
+The flag combinations: packed (``cu_seqlens``) and dense ``[B, T]`` inputs (the compiled CUDA backends
+run a dense batch as a pack of B sequences, so for their chunk kernels this is one variant); with and
+without an initial state and a returned state; the decode path (one token per sequence, the recurrent
+kernel); each forward and backward. Triton's (and tilelang's) disk caches make a second process start
+warm.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 import torch
 
 
-def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True) -> float:
+def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True, include_states: bool = True) -> float:
     """Run ``layer`` forward and backward over small inputs that cover every kernel variant.
 
     Args:
@@ -24,7 +26,12 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True)
             runs the layer's collectives).
         dtype: activation dtype to build for (default: the layer's parameter dtype); another dtype runs
             under ``torch.autocast`` with it, as mixed-precision training does.
-        include_decode: also build the decode path (one token per sequence).
+        include_decode: also build the decode path (one token per sequence; it carries states, so only
+            with ``include_states``).
+        include_states: also build the variants that take an initial state and/or return the final
+            state (continuing sequences, decode). False builds only what training without states runs
+            (one variant of each compiled kernel: FlashQLA's take ~70 s each to build cold on an H200);
+            a layer with ``cp_group`` uses states internally, so it always builds them.
 
     Returns:
         seconds spent. Parameter ``.grad`` fields are left untouched (gradients are taken with
@@ -57,12 +64,15 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True)
     T = 2 * 64 * P                                         # two chunks per rank, a boundary mid-chunk
     cu = torch.tensor([0, 37 * P, T], dtype=torch.int64, device=device)
     local = T // P
-    for st, out_state in ((None, False), (None, True), ("given", True), ("given", False)):
+    combos = ((None, False), (None, True), ("given", True), ("given", False))
+    if not include_states and getattr(layer, "cp_size", 1) == 1:
+        combos = combos[:1]
+    for st, out_state in combos:
         x = torch.randn(1, local, layer.hidden_size, device=device, dtype=dtype)
         run(x, cu, state(2) if st else None, out_state)
         xb = torch.randn(2, local, layer.hidden_size, device=device, dtype=dtype)   # dense batch
         run(xb, None, state(2) if st else None, out_state)
-    if include_decode and P == 1:  # decode is one token per sequence: T = N is not split across ranks
+    if include_decode and include_states and P == 1:  # decode is one token per sequence: T = N is not split across ranks
         n = 3
         x = torch.randn(1, n, layer.hidden_size, device=device, dtype=dtype)
         dcu = torch.arange(n + 1, device=device)

@@ -30,6 +30,7 @@ for spec in "$@"; do
   case $name in
     compile_fla)   step "$name" "$t" python3 "$R/examples/compile_check.py" --backend fla --json "$OUT/compile_fla.json" ;;
     compile_auto)  step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --json "$OUT/compile_auto.json" ;;
+    compile_train) step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --no-states ;;
     vs_fla)        FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --T 8192 32768 131072 --docs 9 ;;
     vs_fla_auto)   step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --T 8192 32768 131072 --docs 9 ;;
     tests_fla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "not flash_qla" ;;

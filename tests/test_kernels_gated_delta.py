@@ -262,3 +262,49 @@ def test_small_decays_next_to_a_huge_one_keep_fp32_precision(big):
     cot = torch.randn(o.shape, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((o * cot).sum(), xs), torch.autograd.grad((o64 * cot).sum(), x64)):
         assert rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("custom_bwd", [True, False])
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_dense_batch_runs_packed_on_dense_as_packed_backends(kernel, custom_bwd):
+    """A backend with ``dense_as_packed`` (the compiled CUDA ones) gets a dense [B, T] call as one pack of
+    B sequences (one kernel variant to compile); outputs, final states and gradients equal the dense call,
+    with the backend's own backward and with the vjp of its forward."""
+    import dataclasses
+
+    from gdn_layer.kernels import register_backend, registry, resolve_backend
+    from gdn_layer.kernels.ops import _vjp
+    torch_b = resolve_backend("torch", "cpu")
+    seen = []
+
+    def fwd(q, k, v, g, beta, cu=None, **kw):
+        seen.append((tuple(q.shape), None if cu is None else cu.tolist()))
+        return getattr(torch_b, f"{kernel}_gated_delta_rule")(q, k, v, g, beta, cu=cu, **kw)
+
+    def bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
+        seen.append((tuple(q.shape), None if cu is None else cu.tolist()))
+        out_state = dfinal is not None
+
+        def f(q, k, v, g, beta, h0):
+            o, fin = getattr(torch_b, f"{kernel}_gated_delta_rule")(
+                q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=out_state, cu=cu,
+                use_qk_l2norm=use_qk_l2norm)
+            return (o, fin) if out_state else (o,)
+        return _vjp(f, (q, k, v, g, beta, initial_state), (do, dfinal)[:1 + out_state])
+
+    register_backend(dataclasses.replace(torch_b, name="packed_only", priority=-5, dense_as_packed=True,
+                                         **{f"{kernel}_gated_delta_rule": fwd,
+                                            f"{kernel}_gated_delta_rule_bwd": bwd if custom_bwd else None}))
+    try:
+        op = chunk_gated_delta_rule if kernel == "chunk" else recurrent_gated_delta_rule
+        B, T = 3, (1 if kernel == "recurrent" else 70)
+        xs = make_inputs(T, B=B, seed=5, grad=True)
+        h0 = torch.randn(B, 4, 16, 8, requires_grad=True)
+        want = grads(lambda *a, **kw: op(*a, backend="torch", **kw), xs, h0)
+        got = grads(lambda *a, **kw: op(*a, backend="packed_only", **kw), xs, h0)
+    finally:
+        registry._BACKENDS.pop("packed_only", None)
+    assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+    for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+        assert rel_err(a, b) <= 1e-6
+    assert seen and all(shape[:2] == (1, B * T) and cu == [i * T for i in range(B + 1)] for shape, cu in seen)

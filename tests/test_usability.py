@@ -89,3 +89,32 @@ def test_triton_l2norm_matches_torch_on_strided_views_fwd_and_bwd():
     ref.backward(dy)
     torch.testing.assert_close(l2norm_fwd(x), ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(l2norm_bwd(x, dy), x_.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_warmup_without_states_runs_only_the_stateless_training_path():
+    """include_states=False: every delta-rule call is a chunk call without initial or returned state
+    (one compiled variant); the default also runs the state variants and the decode path."""
+    calls = []
+    torch_b = registry.backend_by_name("torch")
+
+    def logged(kind):
+        fn = getattr(torch_b, kind)
+
+        def run(*args, initial_state=None, output_final_state=False, **kw):
+            calls.append((kind, initial_state is not None, output_final_state))
+            return fn(*args, initial_state=initial_state, output_final_state=output_final_state, **kw)
+        return run
+
+    registry.register_backend(dataclasses.replace(
+        torch_b, name="logged_delta", priority=-5, chunk_gated_delta_rule=logged("chunk_gated_delta_rule"),
+        recurrent_gated_delta_rule=logged("recurrent_gated_delta_rule")))
+    try:
+        layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="logged_delta")
+        warmup(layer, include_states=False)
+        assert calls and set(calls) == {("chunk_gated_delta_rule", False, False)}
+        calls.clear()
+        warmup(layer)
+        assert {c[0] for c in calls} == {"chunk_gated_delta_rule", "recurrent_gated_delta_rule"}
+        assert {c[1:] for c in calls} == {(False, False), (False, True), (True, True), (True, False)}
+    finally:
+        registry._BACKENDS.pop("logged_delta", None)
