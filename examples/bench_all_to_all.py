@@ -5,7 +5,9 @@ with the layer's real ``_feature_index``; ``head_to_seq`` moves the kernel outpu
 Each is timed forward alone and forward + backward, next to one ``all_to_all_single`` of a buffer of
 the same size (what the collective alone costs). Median of ``--iters`` after ``--warmup``; CUDA events
 on GPU, ``perf_counter`` on CPU; every iteration starts after a sync of all ranks, and the table gives
-the slowest rank's median. Rank 0 prints a markdown table (and ``--json`` writes it).
+the slowest rank's median. A second table times the layer's way in: the input projection (hidden ->
+the packed buffer) as one GEMM followed by ``seq_to_head``, against ``project_seq_to_head`` (the GEMM
+writes the send buffer itself), forward+backward. Rank 0 prints the tables (and ``--json`` writes them).
 
     torchrun --nproc_per_node=2 examples/bench_all_to_all.py --device cuda --dtype bfloat16 --seq-lens 65536 131072
     torchrun --nproc_per_node=2 examples/bench_all_to_all.py --device cpu --dtype float32 --seq-lens 256 \\
@@ -24,21 +26,21 @@ import torch
 import torch.distributed as dist
 
 from gdn_layer import GatedDeltaNet
-from gdn_layer.parallel import head_to_seq, seq_to_head
-from timing import Timer
+from gdn_layer.parallel import head_to_seq, project_seq_to_head, seq_to_head
+from timing import Timer, non_negative_int, positive_int
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 131072], help="global packed T")
+    p.add_argument("--seq-lens", type=positive_int, nargs="+", default=[65536, 131072], help="global packed T")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--k-heads", type=int, default=16)
     p.add_argument("--v-heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=positive_int, default=20)
+    p.add_argument("--warmup", type=non_negative_int, default=3)
     p.add_argument("--json", help="rank 0 also writes the rows here")
     return p.parse_args(argv)
 
@@ -68,7 +70,22 @@ def bench_one(T, args, feature_index, F, F_local, timer, group):
     row = dict(T=T, s2h_fwd=timer(s2h_fwd), s2h_fwd_bwd=timer(s2h_fwd_bwd),
                s2h_raw=timer(raw_all_to_all(s2h_bytes // x.element_size(), dtype, device, group)),
                s2h_mb=s2h_bytes / 1e6)
-    del x, gy
+    del x
+    # the layer's path: its input projection feeding the all-to-all, as a GEMM then seq_to_head, and
+    # written straight into the send buffer (project_seq_to_head)
+    h = torch.randn(1, T_local, args.hidden, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(F, args.hidden, device=device, dtype=dtype, requires_grad=True)
+
+    def proj(fused):
+        def run():
+            h.grad = w.grad = None
+            out = (project_seq_to_head(h, w, feature_index, group) if fused
+                   else seq_to_head(torch.nn.functional.linear(h, w), feature_index, group))
+            out.backward(gy)
+        return run
+
+    row.update(proj_then_s2h_fwd_bwd=timer(proj(False)), proj_into_send_fwd_bwd=timer(proj(True)))
+    del h, w, gy
     # head_to_seq on the kernel output of this rank's value heads
     o = torch.randn(1, T, F_local, device=device, dtype=dtype, requires_grad=True)
     go = torch.randn(1, T_local, P * F_local, device=device, dtype=dtype)
@@ -122,6 +139,10 @@ def main(argv=None):
             print(f"| {r['T']} | {fmt(r['s2h_fwd'])} | {fmt(r['s2h_fwd_bwd'])} | {fmt(r['s2h_raw'])} "
                   f"({r['s2h_mb']:.3g} MB) | {fmt(r['h2s_fwd'])} | {fmt(r['h2s_fwd_bwd'])} | {fmt(r['h2s_raw'])} "
                   f"({r['h2s_mb']:.3g} MB) |", flush=True)
+        print("\n| global T | projection GEMM + seq_to_head, fwd+bwd | project_seq_to_head (GEMM into the send buffer), fwd+bwd |")
+        print("|---|---|---|")
+        for r in rows:
+            print(f"| {r['T']} | {fmt(r['proj_then_s2h_fwd_bwd'])} | {fmt(r['proj_into_send_fwd_bwd'])} |", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(args=vars(args), P=P, device=name, rows=rows), f, indent=1)

@@ -1,12 +1,29 @@
 """Timing and traffic helpers shared by the multi-rank benchmarks (``bench_all_to_all.py``, ``bench_parallel.py``)."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (lengths, iteration counts)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0 (warm-up counts)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 class Timer:

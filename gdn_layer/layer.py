@@ -14,7 +14,8 @@ from gdn_layer.kernels import (causal_conv1d, check_cu_seqlens, chunk_gated_delt
 from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.kernels.validation import check_no_nan, skip_value_checks, values_checkable
 from gdn_layer.norm import GatedRMSNorm
-from gdn_layer.parallel import digest_of, gather_heads, head_to_seq, partition_heads, resolve_sp_group, seq_to_head
+from gdn_layer.parallel import (digest_of, gather_heads, head_to_seq, partition_heads, project_seq_to_head,
+                                resolve_sp_group, seq_to_head)
 from gdn_layer.parallel.context import agree_across_groups
 from gdn_layer.state import GDNState, check_state
 
@@ -83,9 +84,13 @@ def _bits_fingerprint(tensors) -> torch.Tensor:
 
 
 def _plain_linear(m: nn.Module) -> bool:
-    """A bias-free ``nn.Linear`` itself (no subclass, wrapper or hook), whose weight may be used directly."""
-    return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+    """A bias-free ``nn.Linear`` itself, whose weight may be used directly: no subclass, no ``forward``
+    replaced on the instance (accelerate-style wrapping), no forward or backward hook of its own or global."""
+    g = nn.modules.module
+    return (type(m) is nn.Linear and m.bias is None and "forward" not in m.__dict__
+            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+            and not (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+                     or g._global_backward_pre_hooks))
 
 
 class GatedDeltaNet(nn.Module):
@@ -117,7 +122,8 @@ class GatedDeltaNet(nn.Module):
         device, dtype: for the parameters.
         cp_group: state-passing context-parallel group (ProcessGroup or 1-D DeviceMesh) or None, alone or
             with ``sp_group`` on a C x P mesh: rank (c, s) passes slice ``c*P + s`` of ``C*P`` equal
-            contiguous slices of the packed sequence (``B == 1``); see docs/context_parallel.md.
+            contiguous slices of the packed sequence (``B == 1``); see docs/context_parallel.md. The two
+            groups may share only this rank (ValueError otherwise).
 
     Raises:
         TypeError / ValueError: bad sizes, ``Hv % Hk != 0``, an unknown ``projection_layout`` or backend,
@@ -141,8 +147,8 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
         if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
             raise TypeError(f"norm_eps must be a float, got {type(norm_eps).__name__}")
-        if not norm_eps > 0:
-            raise ValueError(f"norm_eps must be positive, got {norm_eps}")
+        if not 0 < norm_eps < float("inf"):
+            raise ValueError(f"norm_eps must be positive and finite, got {norm_eps}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         if projection_layout not in ("split", "fused"):
@@ -155,6 +161,12 @@ class GatedDeltaNet(nn.Module):
 
         self.sp_group, self.sp_size, self.sp_rank = resolve_sp_group(sp_group)
         self.cp_group, self.cp_size, self.cp_rank = resolve_sp_group(cp_group, name="cp_group")
+        if self.sp_size > 1 and self.cp_size > 1:
+            import torch.distributed as dist
+            shared = set(dist.get_process_group_ranks(self.sp_group)) & set(dist.get_process_group_ranks(self.cp_group))
+            if shared != {dist.get_rank()}:
+                raise ValueError("sp_group and cp_group must be two dimensions of one mesh (they share only this "
+                                 f"rank), but they share global ranks {sorted(shared)}")
         self.heads = partition_heads(num_k_heads, num_v_heads, self.sp_size)
         self.backend = backend
 
@@ -276,8 +288,9 @@ class GatedDeltaNet(nn.Module):
             with value checks on, every rank raises together after one small all-reduce).
         """
         cu = self._check_inputs(hidden_states, cu_seqlens, state, output_state)
-        mixed, z = self._project(hidden_states)              # local tokens, all heads
-        mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group) if self.sp_size > 1 else mixed
+        # pre-conv [q | k | v | a | b] of this rank's heads for every token (under SP the all-to-all is
+        # inside: the projection writes its send buffer), and the output gate z of the local tokens
+        mixed, z = self._project(hidden_states)
         with self._checked_already():
             if self.cp_size > 1:  # this cp slice; states handed between slices
                 o, conv_state, recurrent_state = cp_token_mix(self, mixed, cu, state, output_state)
@@ -340,7 +353,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"hidden_states.shape[-1] must equal hidden_size = {self.hidden_size}, "
                              f"got {x.shape[-1]}")
         p = self.out_proj.weight
-        autocast = (torch.is_autocast_enabled(x.device.type) and p.dtype == torch.float32
+        autocast = (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type) and p.dtype == torch.float32
                     and x.dtype == torch.get_autocast_dtype(x.device.type))
         if x.dtype != p.dtype and not autocast:
             raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype}); "
@@ -374,8 +387,8 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             check_state(state, n, self.conv_dim, self.conv_kernel_size, self.num_v_heads,
                         self.head_k_dim, self.head_v_dim, x.device)
-            check_no_nan("state.conv_state", state.conv_state)
-            check_no_nan("state.recurrent_state", state.recurrent_state)
+            check_no_nan("state.conv_state", state.conv_state, finite=True)
+            check_no_nan("state.recurrent_state", state.recurrent_state, finite=True)
         return cu
 
     def _checked_already(self):
@@ -385,17 +398,21 @@ class GatedDeltaNet(nn.Module):
         return skip_value_checks() if self.sp_size * self.cp_size > 1 else contextlib.nullcontext()
 
     def _project(self, x):
-        """``x [B, T, hidden]`` -> ``mixed [B, T, conv_dim + 2 Hv]`` as ``[q_all | k_all | v_all | a | b]``
-        (pre-conv) and ``z [B, T, Hv, Dv]``."""
+        """``x [B, T_local, hidden]`` -> ``mixed [B, T, C_local + 2 hv]``, the pre-conv
+        ``[q | k | v | a | b]`` of this rank's heads for every token (``T = T_local``, all heads without
+        SP; after the Ulysses all-to-all under SP), and ``z [B, T_local, Hv, Dv]``."""
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         if self.projection_layout == "split":
             parts = (self.in_proj_qkv, self.in_proj_a, self.in_proj_b)
-            z = self.in_proj_z(x)
-            if all(_plain_linear(m) for m in parts):
-                # one GEMM into the [qkv | a | b] buffer (no activation-sized concatenation); the weights'
-                # concatenation is ~(conv_dim + 2 Hv) x hidden elements, small next to T x conv_dim
-                mixed = F.linear(x, torch.cat([m.weight for m in parts]))
-                return mixed, z.reshape(*x.shape[:2], Hv, Dv)
+            z = self.in_proj_z(x).reshape(*x.shape[:2], Hv, Dv)
+            if all(_plain_linear(m) for m in parts) and len({(m.weight.dtype, m.weight.device) for m in parts}) == 1:
+                # the weights' concatenation is ~(conv_dim + 2 Hv) x hidden elements, small next to the
+                # activations: one GEMM into the [qkv | a | b] buffer, or under SP straight into the
+                # all-to-all's send buffer (project_seq_to_head: no activation-sized copy either way)
+                weight = torch.cat([m.weight for m in parts])
+                if self.sp_size > 1:
+                    return project_seq_to_head(x, weight, self._feature_index(x.device), self.sp_group), z
+                return F.linear(x, weight), z
             qkv, a, b = (m(x) for m in parts)   # wrapped projections (LoRA, hooks, quantized): call them
         else:
             # transformers' fused order: per k head [q (Dk) | k (Dk) | v (r Dv) | z (r Dv)], [b (r) | a (r)]
@@ -405,7 +422,11 @@ class GatedDeltaNet(nn.Module):
             b, a = self.in_proj_ba(x).unflatten(-1, (Hk, 2 * r)).split([r, r], dim=-1)
             qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
             b, a = b.flatten(2), a.flatten(2)
-        return torch.cat([qkv, a, b], -1), z.reshape(*x.shape[:2], Hv, Dv)
+            z = z.reshape(*x.shape[:2], Hv, Dv)
+        mixed = torch.cat([qkv, a, b], -1)
+        if self.sp_size > 1:
+            mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group)
+        return mixed, z
 
     def _local_conv_state(self, state: GDNState | None):
         """This rank's channels of a full conv state (those of its q/k and value heads)."""

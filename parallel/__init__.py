@@ -6,7 +6,7 @@ and the cross-rank agreement check that lets every rank raise together. See docs
 state-passing context parallelism pieces (``context``) are in docs/context_parallel.md.
 """
 from .agree import DIGEST_LEN, agree_across_ranks, digest_of
-from .all_to_all import head_to_seq, seq_to_head
+from .all_to_all import head_to_seq, project_seq_to_head, seq_to_head
 from .context import (SlicePlan, affine_scan, agree_across_groups, gather_from_ranks, plan_slice, rows_before_slice,
                       select_owned)
 from .gather_heads import gather_heads
@@ -18,7 +18,7 @@ from .packing import gather_sequence, pad_for_sp, shard_sequence
 __all__ = [
     "resolve_sp_group",
     "HeadPartition", "partition_heads",
-    "seq_to_head", "head_to_seq",
+    "seq_to_head", "head_to_seq", "project_seq_to_head",
     "pad_for_sp", "shard_sequence", "gather_sequence",
     "reduce_sp_grads",
     "gather_heads",

@@ -90,6 +90,73 @@ def _check_3d(name: str, x) -> None:
         raise ValueError(f"{name} must be 3-D [B, T, F], got shape {tuple(x.shape)}")
 
 
+def _checked_plan(feature_index, size: int, device, F: int, what: str):
+    """``feature_plan.plan_for(feature_index)`` after checking it is int64 ``[size, F_out]`` on ``device``
+    with indices in ``[0, F)``."""
+    if not isinstance(feature_index, torch.Tensor):
+        raise TypeError(f"feature_index must be a torch.Tensor, got {type(feature_index).__name__}")
+    if feature_index.dtype != torch.int64:
+        raise TypeError(f"feature_index must be int64 (torch.long), got {feature_index.dtype}")
+    if feature_index.dim() != 2 or feature_index.shape[0] != size:
+        raise ValueError(f"feature_index must be [P, F_out] with P = SP size = {size}, "
+                         f"got shape {tuple(feature_index.shape)}")
+    if feature_index.device != device:
+        raise ValueError(f"feature_index is on {feature_index.device} but x is on {device}; "
+                         "build it once on x.device")
+    plan = plan_for(feature_index)
+    if plan.lo < 0 or plan.hi >= F:
+        raise ValueError(f"feature_index must hold indices in [0, {what} = {F}), got min {plan.lo}, max {plan.hi}")
+    return plan
+
+
+class _Exchange(torch.autograd.Function):
+    """``_exchange`` with autograd: an all-to-all of equal blocks is its own adjoint (the gradient of the
+    block received from rank s goes back to rank s)."""
+
+    @staticmethod
+    def forward(ctx, send, group):
+        ctx.group = group
+        return _exchange(send, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad.contiguous(), ctx.group), None
+
+
+def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Tensor:
+    """``seq_to_head(F.linear(x, weight), feature_index, group)`` without materialising the projection:
+    one batched GEMM writes each destination rank's features straight into the all-to-all's send buffer.
+
+    Args:
+        x: ``[B, T_local, H]`` (sequence-sharded, as for ``seq_to_head``).
+        weight: ``[F, H]``, a bias-free linear projection to the F features that ``feature_index`` picks.
+        feature_index, group: as for ``seq_to_head`` (indices into the F output features).
+
+    Returns:
+        ``[B, T_local * P, F_out]``, the same values, layout and strides as ``seq_to_head`` of the
+        projection. Forward: the rows of ``weight`` gathered per rank (``[P, F_out, H]``, weight-sized),
+        ``send[d] = x @ W_d^T`` by ``torch.bmm`` into ``[P, T_local, B, F_out]``, one all-to-all.
+        Backward: the reverse all-to-all, then the GEMM's backward (dx summed over destinations;
+        dweight accumulated by ``index_select``'s backward, so rows sent to several ranks add up).
+
+    Raises:
+        TypeError / ValueError: as ``seq_to_head``; weight not 2-D ``[F, H]`` matching x's last dim.
+    """
+    group, size, _ = resolve_sp_group(group)
+    _check_3d("x", x)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight must be [F, H] with H = x.shape[-1] = {x.shape[-1]}, got {tuple(weight.shape)}")
+    plan = _checked_plan(feature_index, size, x.device, weight.shape[0], "F = weight.shape[0]")
+    B, T_local, H = x.shape
+    w = weight.index_select(0, feature_index.flatten()).view(size, plan.width, H)
+    rows = x.transpose(0, 1).reshape(T_local * B, H)           # tokens before batch (a view when B == 1)
+    send = torch.bmm(rows.expand(size, T_local * B, H), w.transpose(1, 2))
+    recv = _Exchange.apply(send, group) if size > 1 else send
+    return recv.view(size * T_local, B, plan.width).transpose(0, 1)
+
+
 def seq_to_head(x: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Tensor:
     """Sequence-sharded -> feature-sharded: gather the full sequence of this rank's features.
 
@@ -123,20 +190,7 @@ def seq_to_head(x: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Te
     """
     group, size, _ = resolve_sp_group(group)
     _check_3d("x", x)
-    if not isinstance(feature_index, torch.Tensor):
-        raise TypeError(f"feature_index must be a torch.Tensor, got {type(feature_index).__name__}")
-    if feature_index.dtype != torch.int64:
-        raise TypeError(f"feature_index must be int64 (torch.long), got {feature_index.dtype}")
-    if feature_index.dim() != 2 or feature_index.shape[0] != size:
-        raise ValueError(f"feature_index must be [P, F_out] with P = SP size = {size}, "
-                         f"got shape {tuple(feature_index.shape)}")
-    if feature_index.device != x.device:
-        raise ValueError(f"feature_index is on {feature_index.device} but x is on {x.device}; "
-                         "build it once on x.device")
-    F = x.shape[-1]
-    plan = plan_for(feature_index)
-    if plan.lo < 0 or plan.hi >= F:
-        raise ValueError(f"feature_index must hold indices in [0, F = {F}), got min {plan.lo}, max {plan.hi}")
+    plan = _checked_plan(feature_index, size, x.device, x.shape[-1], "F")
     B, T_local, _ = x.shape
     recv = _SeqToHead.apply(x, feature_index, plan, group if size > 1 else None)
     # [P, T_local, B, F_out] is [T, B, F_out] in global token order: a view for every B
@@ -175,4 +229,4 @@ def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return _HeadToSeq.apply(x, group, size)
 
 
-__all__ = ["seq_to_head", "head_to_seq"]
+__all__ = ["seq_to_head", "head_to_seq", "project_seq_to_head"]

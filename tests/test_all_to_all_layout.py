@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import DistributedPool
 from gdn_layer import GatedDeltaNet
-from gdn_layer.parallel import head_to_seq, partition_heads, seq_to_head
+from gdn_layer.parallel import head_to_seq, partition_heads, project_seq_to_head, seq_to_head
 from gdn_layer.parallel.feature_plan import MAX_RUNS_PER_ROW, build_plan, plan_for
 
 # an accumulating index-put is what x[..., idx]'s backward runs; a gather is what x[..., idx] runs
@@ -214,6 +214,27 @@ def _check_head_to_seq_copies_once_and_leaves_the_gradient(rank, P, B):
     torch.testing.assert_close(x2.grad, torch.ones_like(x2), rtol=0, atol=0)
 
 
+def _check_projected_equals_projection_then_seq_to_head(rank, P, replicated, B):
+    """project_seq_to_head(x, W, idx) == seq_to_head(x @ W^T, idx): values, layout, grads of x and W."""
+    idx, F = _layer_index(P, replicated)
+    TL, H = 3, 7
+    x = _rand(10 + rank, B, TL, H)
+    w = _rand(20, F, H)
+    cot = _rand(30 + rank, B, TL * P, idx.shape[1])
+    outs, grads = [], []
+    for fn in (lambda x, w: seq_to_head(torch.nn.functional.linear(x, w), idx, dist.group.WORLD),
+               lambda x, w: project_seq_to_head(x, w, idx, dist.group.WORLD)):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xl, wl)
+        out.backward(cot)
+        outs.append(out)
+        grads.append((xl.grad, wl.grad))
+    assert outs[1].shape == outs[0].shape and outs[1].stride() == outs[0].stride()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
 def pool(request):
     with DistributedPool(request.param, timeout=60) as p:
@@ -247,3 +268,20 @@ def test_bench_script_runs_on_cpu_under_torchrun(tmp_path):
     # the send buffer of seq_to_head: T/P tokens x all 2*Hk*Dk + Hv*Dv + 2*Hv features, 4 bytes each
     assert rows[0]["s2h_mb"] == pytest.approx(32 * (2 * 2 * 8 + 4 * 8 + 2 * 4) * 4 / 1e6)
     assert all(r[k] > 0 for r in rows for k in ("s2h_fwd", "s2h_fwd_bwd", "s2h_raw", "h2s_fwd", "h2s_fwd_bwd"))
+
+
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("replicated", [False, True], ids=["disjoint", "replicated"])
+def test_projection_written_into_the_send_buffer_equals_projection_then_seq_to_head(pool, replicated, B):
+    pool.run(_check_projected_equals_projection_then_seq_to_head, replicated, B)
+
+
+def test_projected_without_group_and_bad_weight():
+    idx = torch.tensor([[0, 2, 3]])
+    x, w = _rand(1, 2, 4, 5), _rand(2, 6, 5)
+    torch.testing.assert_close(project_seq_to_head(x, w, idx, None),
+                               torch.nn.functional.linear(x, w)[..., idx[0]], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="weight must be"):
+        project_seq_to_head(x, w[:, :4], idx, None)
+    with pytest.raises(ValueError, match="feature_index must hold indices"):
+        project_seq_to_head(x, w[:3], idx, None)

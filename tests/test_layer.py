@@ -175,6 +175,17 @@ def test_one_gemm_projection_equals_the_module_calls_and_honours_wrapped_project
     handle = layer.in_proj_a.register_forward_hook(lambda mod, inp, out: out * 3.0)
     assert rel_err(layer(x), y) > 1e-3       # the hook's change reaches the output
     handle.remove()
+    # a backward hook that zeroes the gradient flowing into in_proj_a's output is honoured
+    handle = layer.in_proj_a.register_full_backward_pre_hook(lambda mod, gout: (torch.zeros_like(gout[0]),))
+    ga = torch.autograd.grad(layer(x).square().sum(), layer.in_proj_a.weight)[0]
+    assert float(ga.abs().max()) == 0.0 and float(gw[2].abs().max()) > 0
+    handle.remove()
+    # a forward replaced on the instance (accelerate-style wrapping) is called
+    plain_forward = layer.in_proj_b.forward
+    layer.in_proj_b.forward = lambda inp: plain_forward(inp) * 3.0
+    assert rel_err(layer(x), y) > 1e-3
+    del layer.in_proj_b.forward
+    assert rel_err(layer(x), y) <= 1e-6
 
 
 def test_initialisation_follows_transformers():
@@ -199,6 +210,9 @@ def test_initialisation_follows_transformers():
     (lambda l: l(torch.randn(1, 1, 32), state=GDNState(torch.zeros(1, 96, 3), torch.zeros(1, 4, 16, 8).bfloat16())),
      TypeError, "float32"),
     (lambda l: l(torch.randn(1, 1, 32), state=(1, 2)), TypeError, "GDNState"),
+    (lambda l: l(torch.randn(1, 1, 32), state=GDNState(torch.zeros(1, 96, 3),
+                                                      torch.full((1, 4, 16, 8), float("inf")))),
+     ValueError, "state.recurrent_state"),
 ])
 def test_bad_inputs_raise_naming_the_argument(call, exc, match):
     layer = make_layer()
@@ -212,6 +226,7 @@ def test_bad_inputs_raise_naming_the_argument(call, exc, match):
     (dict(backend="cuda-magic"), ValueError, "backend"),
     (dict(head_k_dim=0), ValueError, "head_k_dim"),
     (dict(hidden_size=32.0), TypeError, "hidden_size"),
+    (dict(norm_eps=float("inf")), ValueError, "norm_eps"),
 ])
 def test_bad_construction_raises(kwargs, exc, match):
     args = dict(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8)
@@ -223,3 +238,5 @@ def test_bad_construction_raises(kwargs, exc, match):
 def test_every_parameter_and_buffer_lives_on_the_constructors_device():
     layer = GatedDeltaNet(32, 2, 4, 16, 8, device="meta")
     assert {t.device.type for t in [*layer.parameters(), *layer.buffers()]} == {"meta"}
+    y = layer(torch.empty(2, 5, 32, device="meta"))        # shape inference on meta tensors
+    assert y.device.type == "meta" and y.shape == (2, 5, 32)

@@ -275,3 +275,17 @@ def test_from_hf_and_swap_take_cp_group(pool2):
     pytest.importorskip("transformers")
     for cp_size, err, n, swapped_cp in pool2.run(_from_hf_cp, timeout=120):
         assert (cp_size, n, swapped_cp) == (2, 2, 2) and err <= TOL, (cp_size, err, n, swapped_cp)
+
+
+def _same_group_for_sp_and_cp(rank, world):
+    g = dist.new_group(list(range(world)))
+    try:
+        GatedDeltaNet(HIDDEN, HK, HV, DK, DV, sp_group=g, cp_group=g)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_sp_and_cp_groups_sharing_ranks_raise(pool2):
+    for msg in pool2.run(_same_group_for_sp_and_cp, timeout=60):
+        assert "share" in msg and "sp_group and cp_group" in msg, msg

@@ -20,7 +20,8 @@ packed layout compiles nothing:
 - ``_conv_dx_kernel``, same grid: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
   instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
   spilled registers; the scratch round trip costs less.
-- ``_conv_state_bwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: ``d initial_state[n]`` from dz.
+- ``_conv_state_bwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: ``d initial_state[n]``, with the dz of
+  the sequence's first W-1 tokens recomputed in fp32 (the scratch dz may be 16-bit).
 
 With ``cu`` (packed, B == 1) each token's sequence index comes from ``torch.searchsorted`` on the
 device (no host sync). x is read in place through its strides (typically a channel slice of a wider
@@ -234,9 +235,13 @@ def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, C, stride_wc, stride_ww, 
     tl.store(dx + rows * C + c2, acc.to(dx.dtype.element_ty), mask=valid)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _conv_state_bwd_kernel(w, cu, dz, dfinal, dinit, T, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
-                           W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "stride_xb", "stride_dyb"])
+def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dfinal, dinit,
+                           T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+                           stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
+                           stride_dfn, stride_dfc, stride_dfk,
+                           W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                           IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
     """d initial_state[n, c, k] for one sequence n and a block of channels (all W-1 entries k).
 
@@ -250,16 +255,23 @@ def _conv_state_bwd_kernel(w, cu, dz, dfinal, dinit, T, C, stride_wc, stride_ww,
     if IS_VARLEN:
         s = tl.load(cu + n)
         length = tl.load(cu + n + 1) - s
+        x_base = s * stride_xt
+        dy_base = s * stride_dyt
     else:
-        s = n * T
         length = T + tl.zeros((), tl.int64)
+        x_base = n * stride_xb
+        dy_base = n * stride_dyb
     kvalid = cmask & (k < W - 1)
     r = k - (W - 1)
+    init_base = n * stride_in
     acc = tl.zeros((BLOCK_C, BLOCK_K), ACC)
     for j in tl.static_range(W):
         rt = r + j
+        dz = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, rt, c, kvalid & (rt >= 0) & (rt < length), True, cmask,
+                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+                 W, HAS_BIAS, True, SILU, ACC)
         w_j = tl.load(w + c * stride_wc + (W - 1 - j) * stride_ww, mask=cmask, other=0.0).to(ACC)
-        acc += w_j * tl.load(dz + (s + rt) * C + c, mask=kvalid & (rt >= 0) & (rt < length), other=0.0).to(ACC)
+        acc += w_j * dz
     if HAS_DFINAL:
         kf = k - length
         acc += tl.load(dfinal + n * stride_dfn + c * stride_dfc + kf * stride_dfk,
@@ -338,8 +350,9 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     block_c = _block_c(C)
     n_prog = triton.cdiv(T, BLOCK_T) * B
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-    # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise (it only feeds dx,
-    # which is rounded to that dtype anyway; dweight and dbias are summed from the fp32 values)
+    # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
+    # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
+    # registers, and the fp32 initial-state gradient recomputes the dz it needs)
     dz = torch.empty(B, T, C, dtype=dt if x.element_size() >= 4 else x.dtype, device=x.device)
     dw_part = torch.zeros(n_prog, C, W, dtype=dt, device=x.device)
     db_part = torch.zeros(n_prog, C, dtype=dt, device=x.device)
@@ -362,9 +375,13 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     if initial_state is not None:
         dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)
         if dinit.numel() > 0:
+            # recomputes dz of each sequence's first W-1 tokens in fp32 (dz above may be 16-bit)
             _conv_state_bwd_kernel[(N, triton.cdiv(C, block_c))](
-                weight, cu_arg, dz, df_arg, dinit, T, C, weight.stride(0), weight.stride(1), *sdf,
-                HAS_DFINAL=dfinal is not None, BLOCK_K=triton.next_power_of_2(W - 1), **flags)
+                x, weight, dummy if bias is None else bias, initial_state, cu_arg, dy, df_arg, dinit,
+                T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+                0 if bias is None else bias.stride(0), *sin, *dy.stride(), *sdf,
+                HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, SILU=silu,
+                BLOCK_K=triton.next_power_of_2(W - 1), **flags)
     dweight = dw_part.sum(0).to(weight.dtype)
     dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
     return dx, dweight, dbias, dinit
