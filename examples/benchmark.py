@@ -90,8 +90,9 @@ def main(argv=None):
         row = dict(T=T, ours_s=t_ours, hf_s=t_hf, ours_tok_s=T / t_ours, hf_tok_s=T / t_hf,
                    speedup=t_hf / t_ours, ours_peak_gib=m_ours, hf_peak_gib=m_hf)
         rows.append(row)
-        print(f"T={T:6d}  ours {t_ours * 1e3:9.1f} ms ({T / t_ours:10.0f} tok/s, peak {m_ours:6.2f} GiB)  "
-              f"transformers {t_hf * 1e3:9.1f} ms ({T / t_hf:10.0f} tok/s, peak {m_hf:6.2f} GiB)  "
+        gib = lambda m: "-" if m != m else f"{m:.2f}"      # no peak memory on CPU
+        print(f"T={T:6d}  ours {t_ours * 1e3:9.1f} ms ({T / t_ours:10.0f} tok/s, peak {gib(m_ours)} GiB)  "
+              f"transformers {t_hf * 1e3:9.1f} ms ({T / t_hf:10.0f} tok/s, peak {gib(m_hf)} GiB)  "
               f"speedup x{t_hf / t_ours:.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> dict:
         state["evals"][0] = evaluate(model, held, ctx)
     if lead:
         orig = state["eval_original"]
-        print(f"{summary}\nheld-out loss before: {state['evals'][0]:.4f}"
+        print(f"{summary}\nheld-out loss before fine-tuning (step 0): {state['evals'][0]:.4f}"
               + (f" (the original model, softmax attention in every layer: {orig:.4f})" if orig is not None else ""),
               flush=True)
 
