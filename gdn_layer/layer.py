@@ -451,12 +451,29 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
-        # one split (not two slices): its backward writes the gradient of mixed with one concatenation
-        x, a, b = mixed.split([C, hv, hv], -1)
-        qkv, conv_state = causal_conv1d(x, weight, None, activation="silu", cu_seqlens=cu,
-                                        initial_state=initial_state,
-                                        output_final_state=output_state, backend=self._backend)
-        q, k, v = qkv.split([hk * Dk, hk * Dk, hv * Dv], -1)
+        widths = [hk * Dk, hk * Dk, hv * Dv]
+        n = mixed.shape[0] if cu is None else cu.numel() - 1
+        if mixed.shape[0] * mixed.shape[1] > n:
+            # training / prefill: one conv per q, k, v channel group, each reading its slice of mixed in
+            # place and writing a contiguous output, which the chunk kernels take as is (one conv of all
+            # channels returns column slices, and v would be copied in the forward and again in the
+            # backward; its gradient would be concatenated back). One split of mixed: its backward
+            # writes mixed's gradient with one concatenation.
+            *xs, a, b = mixed.split([*widths, hv, hv], -1)
+            starts = [0, widths[0], widths[0] + widths[1]]
+            outs = [causal_conv1d(xi, weight[s:s + w], None, activation="silu", cu_seqlens=cu,
+                                  initial_state=None if initial_state is None else initial_state[:, s:s + w],
+                                  output_final_state=output_state, backend=self._backend)
+                    for xi, s, w in zip(xs, starts, widths)]
+            q, k, v = (o for o, _ in outs)
+            conv_state = torch.cat([st for _, st in outs], 1) if output_state else None
+        else:
+            # decode (one token per sequence): one conv launch for all channels
+            x, a, b = mixed.split([C, hv, hv], -1)
+            qkv, conv_state = causal_conv1d(x, weight, None, activation="silu", cu_seqlens=cu,
+                                            initial_state=initial_state,
+                                            output_final_state=output_state, backend=self._backend)
+            q, k, v = qkv.split(widths, -1)
         return (q.unflatten(-1, (hk, Dk)), k.unflatten(-1, (hk, Dk)), v.unflatten(-1, (hv, Dv)),
                 a, b, conv_state)
 
