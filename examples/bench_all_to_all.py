@@ -27,21 +27,12 @@ import torch.distributed as dist
 
 from gdn_layer import GatedDeltaNet
 from gdn_layer.parallel import head_to_seq, project_seq_to_head, seq_to_head
-from timing import Timer, non_negative_int, positive_int
+from timing import Timer, add_common_args, init_distributed
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--seq-lens", type=positive_int, nargs="+", default=[65536, 131072], help="global packed T")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--k-heads", type=int, default=16)
-    p.add_argument("--v-heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=positive_int, default=20)
-    p.add_argument("--warmup", type=non_negative_int, default=3)
-    p.add_argument("--json", help="rank 0 also writes the rows here")
+    add_common_args(p, iters=20)
     return p.parse_args(argv)
 
 
@@ -109,11 +100,7 @@ def fmt(s):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_distributed(args.device)
     group = dist.group.WORLD
     P = dist.get_world_size()
     layer = GatedDeltaNet(args.hidden, args.k_heads, args.v_heads, args.head_dim, args.head_dim,

@@ -36,27 +36,18 @@ import torch
 import torch.distributed as dist
 
 from gdn_layer import GatedDeltaNet
-from timing import Timer, count_sent_bytes, non_negative_int, positive_int
+from timing import Timer, add_common_args, count_sent_bytes, init_distributed
 
 MODES = ("one", "sp", "cp")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    add_common_args(p, iters=10)
     p.add_argument("--backend", default="auto", help="kernel backend of the layer")
-    p.add_argument("--seq-lens", type=positive_int, nargs="+", default=[65536, 131072], help="global packed T")
     p.add_argument("--docs", type=int, default=9, help="documents per pack (random cuts, seed 0)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--k-heads", type=int, default=16)
-    p.add_argument("--v-heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=positive_int, default=10)
-    p.add_argument("--warmup", type=non_negative_int, default=3)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--check", action="store_true", help="first compare sp and cp with one (max rel error)")
-    p.add_argument("--json", help="rank 0 also writes the rows here")
     return p.parse_args(argv)
 
 
@@ -182,11 +173,7 @@ def table(rows):
 
 def main(argv=None):
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = init_distributed(args.device)
     P = dist.get_world_size()
     for T in args.seq_lens:
         if T % P:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 
@@ -10,20 +11,40 @@ import torch
 import torch.distributed as dist
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (lengths, iteration counts)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _int_at_least(lo: int):
+    """argparse type: an int >= lo."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0 (warm-up counts)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def add_common_args(p: argparse.ArgumentParser, iters: int) -> None:
+    """The arguments both multi-rank benchmarks take: device, dtype, global lengths, the layer's shape
+    (Qwen3-Next's by default), timing repetitions and ``--json``."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--seq-lens", type=_int_at_least(1), nargs="+", default=[65536, 131072], help="global packed T")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--k-heads", type=int, default=16)
+    p.add_argument("--v-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=_int_at_least(1), default=iters)
+    p.add_argument("--warmup", type=_int_at_least(0), default=3)
+    p.add_argument("--json", help="rank 0 also writes the rows here")
+
+
+def init_distributed(device_type: str) -> torch.device:
+    """This process's device (``cuda:LOCAL_RANK`` under torchrun, or the CPU) and the default process
+    group on it (NCCL on CUDA, gloo on the CPU)."""
+    device = torch.device(device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
 
 
 class Timer:
