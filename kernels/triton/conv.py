@@ -91,6 +91,19 @@ def _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c, valid, near, cma
     return g
 
 
+@triton.jit(do_not_specialize=["T"])
+def _tile(T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's tile of the ``(cdiv(T, BLOCK_T) * B, cdiv(C, BLOCK_C))`` grid: axis 0 folds
+    (batch row b, token block) (CUDA caps axes 1 and 2 at 65535). Returns ``(pid, b, t, c, t < T, c < C)``
+    with t the tile's token positions in row b and c its channels."""
+    pid = tl.program_id(0)
+    n_tb = tl.cdiv(T, BLOCK_T)
+    b = (pid // n_tb).to(tl.int64)
+    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return pid, b, t, c, t < T, c < C
+
+
 @triton.jit(do_not_specialize=["T", "stride_xb"])
 def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y,
                      T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
@@ -101,12 +114,7 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y,
 
     Axis 0 folds (b, tb) (``cdiv(T, BLOCK_T) * B`` programs; axes 1 and 2 are capped at 65535).
     """
-    pid = tl.program_id(0)
-    n_tb = tl.cdiv(T, BLOCK_T)
-    b = (pid // n_tb).to(tl.int64)
-    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tmask, cmask = t < T, c < C
+    pid, b, t, c, tmask, cmask = _tile(T, C, BLOCK_T, BLOCK_C)
     if IS_VARLEN:  # B == 1; positions are relative to each token's own sequence start
         n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
         s = tl.load(cu + n, mask=tmask, other=0)
@@ -162,12 +170,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dz, dw_part, db_part,
 
     z is recomputed from x (W taps); the taps are read again for dweight (cache hits).
     """
-    pid = tl.program_id(0)
-    n_tb = tl.cdiv(T, BLOCK_T)
-    b = (pid // n_tb).to(tl.int64)
-    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tmask, cmask = t < T, c < C
+    pid, b, t, c, tmask, cmask = _tile(T, C, BLOCK_T, BLOCK_C)
     if IS_VARLEN:
         n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
         s = tl.load(cu + n, mask=tmask, other=0)
@@ -206,12 +209,7 @@ def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, C, stride_wc, stride_ww, 
 
     dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output).
     """
-    pid = tl.program_id(0)
-    n_tb = tl.cdiv(T, BLOCK_T)
-    b = (pid // n_tb).to(tl.int64)
-    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    tmask, cmask = t < T, c < C
+    pid, b, t, c, tmask, cmask = _tile(T, C, BLOCK_T, BLOCK_C)
     if IS_VARLEN:
         n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
         end1 = tl.load(cu + n + 1, mask=tmask, other=0)      # one past the sequence's last token
