@@ -83,6 +83,11 @@ def _bits_fingerprint(tensors) -> torch.Tensor:
     return digest_of(torch.stack(sums).cpu()) if sums else digest_of(0)
 
 
+def _is_decode(x: torch.Tensor, cu) -> bool:
+    """At most one token per sequence (``B * T <= N``): the decode path (recurrent kernel, one conv)."""
+    return x.shape[0] * x.shape[1] <= (x.shape[0] if cu is None else cu.numel() - 1)
+
+
 def _plain_linear(m: nn.Module) -> bool:
     """A bias-free ``nn.Linear`` itself, whose weight may be used directly: no subclass, no ``forward``
     replaced on the instance (accelerate-style wrapping), no forward or backward hook of its own or global."""
@@ -452,8 +457,7 @@ class GatedDeltaNet(nn.Module):
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
         widths = [hk * Dk, hk * Dk, hv * Dv]
-        n = mixed.shape[0] if cu is None else cu.numel() - 1
-        if mixed.shape[0] * mixed.shape[1] > n:
+        if not _is_decode(mixed, cu):
             # training / prefill: one conv per q, k, v channel group, each reading its slice of mixed in
             # place and writing a contiguous output, which the chunk kernels take as is (one conv of all
             # channels returns column slices, and v would be copied in the forward and again in the
@@ -486,9 +490,7 @@ class GatedDeltaNet(nn.Module):
     def _delta_rule(self, q, k, v, g, beta, cu, initial_state, output_state):
         """Recurrent kernel when every sequence has at most one token (decode), chunk kernel otherwise;
         ``initial_state`` has this rank's value heads (or is None)."""
-        n = q.shape[0] if cu is None else cu.numel() - 1
-        decode = q.shape[0] * q.shape[1] <= n
-        kernel = recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
+        kernel = recurrent_gated_delta_rule if _is_decode(q, cu) else chunk_gated_delta_rule
         return kernel(q, k, v, g, beta, initial_state=initial_state,
                       output_final_state=output_state, cu_seqlens=cu, use_qk_l2norm=True, backend=self._backend)
 

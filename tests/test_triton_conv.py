@@ -13,6 +13,7 @@ import torch
 
 from gdn_layer.kernels import reference
 from gdn_layer.kernels.triton import conv
+from launch_spy import LaunchSpy
 
 SCAN_TOOL = pathlib.Path("/work/shared/tools/scan_triton.py")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,27 +113,14 @@ def test_no_token_sees_another_sequence():
     assert torch.equal(y[0, 10:], y2[0, 10:]) and not torch.equal(y[0, 9], y2[0, 9])
 
 
-class _Spy:
-    """Stands in for a Triton kernel: records the tensors each launch receives, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append(args)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def test_strided_view_is_read_in_place(monkeypatch):
-    fwd, bwd = _Spy(conv._conv_fwd_kernel), _Spy(conv._conv_dz_kernel)
+    fwd, bwd = LaunchSpy(conv._conv_fwd_kernel), LaunchSpy(conv._conv_dz_kernel)
     monkeypatch.setattr(conv, "_conv_fwd_kernel", fwd)
     monkeypatch.setattr(conv, "_conv_dz_kernel", bwd)
     inp = make_inputs(2, 33, 8, 4, extra=9)
     got = assert_matches_reference(inp, "silu")
-    assert len(fwd.calls) == 1 and len(bwd.calls) == 1
-    for (x_arg, *_), in ((fwd.calls[0],), (bwd.calls[0],)):
+    assert len(fwd.launches) == 1 and len(bwd.launches) == 1
+    for (x_arg, *_), in ((fwd.launches[0],), (bwd.launches[0],)):
         assert not x_arg.is_contiguous() and x_arg.stride() == (33 * 17, 17, 1)
         assert x_arg.shape == (2, 33, 8) and x_arg.untyped_storage().nbytes() == 2 * 33 * 17 * 4
     assert got[2].shape == (2, 33, 8)

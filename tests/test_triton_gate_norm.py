@@ -13,6 +13,7 @@ import torch
 
 from gdn_layer.kernels import reference
 from gdn_layer.kernels.triton import gate, norm
+from launch_spy import LaunchSpy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -25,19 +26,6 @@ def rel_err(a, b):
 
 def grads(outputs, inputs, upstream):
     return torch.autograd.grad(sum((o.double() * u.double()).sum() for o, u in zip(outputs, upstream)), inputs)
-
-
-class LaunchSpy:
-    """Stands in for a jitted kernel: records the tensors of each launch, then launches the real one."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(args)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
 
 
 # ------------------------------------------------------------------------------------------------
