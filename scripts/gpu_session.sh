@@ -28,9 +28,14 @@ step() {  # name timeout command...
 for spec in "$@"; do
   name=${spec%%:*}; t=${spec#*:}; [ "$t" = "$spec" ] && t=300
   case $name in
-    compile_fla)   step "$name" "$t" python3 "$R/examples/compile_check.py" --backend fla --json "$OUT/compile_fla.json" ;;
-    compile_auto)  step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --json "$OUT/compile_auto.json" ;;
-    compile_train) step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --no-states ;;
+    compile_fla)   rm -rf /tmp/cc-fla-t /tmp/cc-fla-tl
+                   TRITON_CACHE_DIR=/tmp/cc-fla-t TILELANG_CACHE_DIR=/tmp/cc-fla-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend fla --json "$OUT/compile_fla.json" ;;
+    # the compile checks keep their own caches (/tmp/cc-*): empty for the cold run, reused by the *_warm step
+    compile_auto)  rm -rf /tmp/cc-auto-t /tmp/cc-auto-tl
+                   TRITON_CACHE_DIR=/tmp/cc-auto-t TILELANG_CACHE_DIR=/tmp/cc-auto-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --json "$OUT/compile_auto.json" ;;
+    compile_auto_warm) TRITON_CACHE_DIR=/tmp/cc-auto-t TILELANG_CACHE_DIR=/tmp/cc-auto-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --json "$OUT/compile_auto_warm.json" ;;
+    compile_train) rm -rf /tmp/cc-train-t /tmp/cc-train-tl
+                   TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --no-states ;;
     vs_fla)        FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --T 8192 32768 131072 --docs 9 ;;
     vs_fla_auto)   step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --T 8192 32768 131072 --docs 9 ;;
     tests_fla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "not flash_qla" ;;
