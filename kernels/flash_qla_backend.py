@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from . import fla_backend
+from . import fla_backend, varlen
 from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_bwd, l2norm_fwd, norm_bwd, norm_fwd
 
 log = logging.getLogger("gdn_layer.kernels")
@@ -43,16 +43,20 @@ def available(device: torch.device) -> tuple[bool, str]:
     return _importable(torch.cuda.get_device_capability(device)) if ok else (ok, why)
 
 
-def eligible(q, k, v, cu=None) -> str:
-    """Empty string when FlashQLA can run these inputs, else the reason it cannot (one host read of
-    ``cu``: FlashQLA 0.1.3 gave NaN outputs for packs with zero-length segments on an H200)."""
+def eligible(q, k, v) -> str:
+    """Empty string when FlashQLA can run these inputs, else the reason it cannot."""
     if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float16)):
         return f"FlashQLA needs q, k, v in one of bf16/fp16 (got {q.dtype}, {k.dtype}, {v.dtype})"
     if q.shape[-1] != 128 or v.shape[-1] != 128:
         return f"FlashQLA needs Dk = Dv = 128 (got Dk = {q.shape[-1]}, Dv = {v.shape[-1]})"
-    if cu is not None and bool(((cu[1:] - cu[:-1]).cpu() == 0).any()):
-        return "FlashQLA gives NaN for zero-length segments"
     return ""
+
+
+def _compact(cu):
+    """FlashQLA 0.1.3 gave NaN outputs for packs with zero-length segments on an H200
+    (``cu = [0, 100, 100, 257, 700]``): it is handed the pack without them (``varlen.without_empty_segments``,
+    one host read of cu) and the dropped sequences' states pass through."""
+    return None if cu is None else varlen.without_empty_segments(cu)
 
 
 def _fallback(why: str) -> None:
@@ -69,32 +73,50 @@ def _prep(q, k, v, g, beta, use_qk_l2norm):
 
 def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
               use_qk_l2norm=False):
-    why = eligible(q, k, v, cu)
+    why = eligible(q, k, v)
     if why:
         _fallback(why)
         return fla_backend.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu, use_qk_l2norm)
     from flash_qla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    c = _compact(cu)
+    h0 = fla_backend._state(initial_state)
+    if c is not None and c.keep.numel() == 0:       # no tokens at all: every state passes through
+        return v.new_zeros(v.shape), varlen.expand_states(c, None, h0) if output_final_state else None
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     _, _, o, _, final, _ = chunk_gated_delta_rule_fwd(
-        qn, kn, v, g, beta, scale=scale, initial_state=fla_backend._state(initial_state), cu_seqlens=cu,
-        output_final_state=output_final_state, auto_cp=False)
+        qn, kn, v, g, beta, scale=scale, initial_state=h0 if c is None or h0 is None else h0.index_select(0, c.keep),
+        cu_seqlens=cu if c is None else c.cu, output_final_state=output_final_state, auto_cp=False)
+    if c is not None and output_final_state:
+        final = varlen.expand_states(c, final, h0)
     return o, final
 
 
 def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
-    if eligible(q, k, v, cu):
+    if eligible(q, k, v):
         return fla_backend.chunk_bwd(do, dfinal, q, k, v, g, beta, scale, initial_state, cu, use_qk_l2norm)
     from flash_qla.ops.gated_delta_rule import chunk as qla
-    qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
+    c = _compact(cu)
+    h0 = fla_backend._state(initial_state)
     dht = None if dfinal is None else dfinal.float().contiguous()
+    dht_kept = dht
+    if c is not None:
+        if c.keep.numel() == 0:                     # no tokens: d initial = d final
+            dh0 = None if h0 is None else (dht.clone() if dht is not None else torch.zeros_like(h0))
+            return (*(torch.zeros_like(t) for t in (q, k, v, g, beta)), dh0)
+        cu = c.cu
+        h0 = None if h0 is None else h0.index_select(0, c.keep)
+        dht_kept = None if dht is None else dht.index_select(0, c.keep)
+    qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     # recompute the chunk-local cumsum of g and the UT matrices A (cheap) instead of saving them
     g_cum = qla.chunk_local_cumsum(g=g, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
     A = qla.kkt_solve(k=kn, b=beta, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
     dq, dk, dv, db, dg, dh0 = qla.chunk_gated_delta_rule_bwd(
-        qn, kn, v, g_cum, beta, A, do.contiguous(), dht,
-        scale=scale, initial_state=fla_backend._state(initial_state), cu_seqlens=cu, auto_cp=False)
+        qn, kn, v, g_cum, beta, A, do.contiguous(), dht_kept,
+        scale=scale, initial_state=h0, cu_seqlens=cu, auto_cp=False)
     if use_qk_l2norm:
         dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
+    if c is not None and initial_state is not None:
+        dh0 = varlen.expand_states(c, dh0, dht)
     return dq, dk, dv, dg, db, dh0
 
 

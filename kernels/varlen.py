@@ -161,3 +161,39 @@ class ChunkPlan:
         self.level_pieces = [[] for _ in self.active]
         for lvl, lo, hi in pieces:
             self.level_pieces[lvl].append(hi - lo)
+
+
+class Compaction(NamedTuple):
+    """A pack with its zero-length segments dropped (``without_empty_segments``).
+
+    ``cu`` has the N' non-empty sequences' boundaries (the same tokens); ``keep`` [N'] int64 are their
+    indices among the original N (on cu's device).
+    """
+    cu: torch.Tensor
+    keep: torch.Tensor
+    num_seqs: int
+
+
+def without_empty_segments(cu: torch.Tensor) -> Compaction | None:
+    """None when every sequence of ``cu_seqlens`` holds a token (one host read of cu), else the pack
+    without its empty ones. Tokens are untouched: only the state rows of the dropped sequences change,
+    and for those the recurrence is the identity (``final = initial``; ``d initial = d final``)."""
+    lens = (cu[1:] - cu[:-1]).cpu()
+    if bool((lens > 0).all()):
+        return None
+    keep = torch.nonzero(lens > 0).flatten().to(cu.device)
+    return Compaction(torch.cat([cu[:1], cu[1:].index_select(0, keep)]), keep, lens.numel())
+
+
+def expand_states(c: Compaction, kept: torch.Tensor | None, full: torch.Tensor | None):
+    """The N-row state tensor whose kept rows are ``kept`` [N', ...] and whose dropped rows are ``full``'s
+    rows (their identity map: the initial state forward, the final state's gradient backward), or zeros
+    when ``full`` is None; None when both are None."""
+    if kept is None and full is None:
+        return None
+    base = kept if kept is not None else full
+    out = (full.to(base.dtype).clone() if full is not None
+           else base.new_zeros((c.num_seqs, *base.shape[1:])))
+    if kept is not None:
+        out.index_copy_(0, c.keep, kept)
+    return out

@@ -1,0 +1,114 @@
+"""The ``flash_qla`` backend's own code on CPU, with FlashQLA replaced by a stand-in.
+
+FlashQLA (TileLang, SM90/SM100) cannot run here, so ``flash_qla.ops.gated_delta_rule.chunk`` is faked
+by the float64 torch reference with FlashQLA's call signatures, and the fake returns NaN for any pack
+with a zero-length segment, as FlashQLA 0.1.3 did on an H200 (``cu = [0, 100, 100, 257, 700]``). What is
+tested is the wrapper: it must hand FlashQLA the pack without its empty segments and pass the dropped
+sequences' states through, forward (final = initial) and backward (d initial = d final).
+"""
+import sys
+import types
+
+import pytest
+import torch
+
+from gdn_layer.kernels import flash_qla_backend, reference, varlen
+
+
+def _fake_flash_qla(monkeypatch, calls):
+    def _check(cu):
+        calls.append(None if cu is None else cu.tolist())
+        return cu is not None and bool(((cu[1:] - cu[:-1]) == 0).any())
+
+    def run(q, k, v, g, beta, scale, h0, cu, out_state):
+        o, s = reference.chunk_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                                                scale, None if h0 is None else h0.double(), out_state, cu)
+        return o, s
+
+    def fwd(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, output_final_state=True,
+            auto_cp=True):
+        assert auto_cp is False
+        o, s = run(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
+        if _check(cu_seqlens):
+            o = torch.full_like(o, float("nan"))
+        return g, None, o.to(v.dtype), None, None if s is None else s.float(), None
+
+    def bwd(q, k, v, g, beta, A, do, dht, scale=None, initial_state=None, cu_seqlens=None, auto_cp=True):
+        nan = _check(cu_seqlens)
+        leaves = [t.double().requires_grad_(True) for t in (q, k, v, g, beta)]
+        h0 = None if initial_state is None else initial_state.double().requires_grad_(True)
+        o, s = reference.chunk_gated_delta_rule(*leaves, scale, h0, dht is not None, cu_seqlens)
+        loss = (o * do.double()).sum() + (0 if dht is None else (s * dht.double()).sum())
+        grads = torch.autograd.grad(loss, leaves + ([h0] if h0 is not None else []))
+        dq, dk, dv, dg, db = (gr.to(t.dtype) for gr, t in zip(grads[:5], (q, k, v, g, beta)))
+        dh0 = grads[5].float() if h0 is not None else None
+        if nan:
+            dq = torch.full_like(dq, float("nan"))
+        return dq, dk, dv, db, dg, dh0
+
+    chunk = types.ModuleType("flash_qla.ops.gated_delta_rule.chunk")
+    chunk.chunk_gated_delta_rule_fwd, chunk.chunk_gated_delta_rule_bwd = fwd, bwd
+    chunk.CHUNK_SIZE = 64
+    chunk.chunk_local_cumsum = lambda g, cu_seqlens, chunk_size: g   # the fake's bwd takes the raw gate
+    chunk.kkt_solve = lambda k, b, cu_seqlens, chunk_size: None
+    names = ["flash_qla", "flash_qla.ops", "flash_qla.ops.gated_delta_rule"]
+    mods = {n: types.ModuleType(n) for n in names}
+    mods["flash_qla"].ops, mods["flash_qla.ops"].gated_delta_rule = mods["flash_qla.ops"], mods[names[2]]
+    mods[names[2]].chunk = chunk
+    for n, m in [*mods.items(), (chunk.__name__, chunk)]:
+        monkeypatch.setitem(sys.modules, n, m)
+
+
+def _inputs(cu, with_state, seed):
+    gen = torch.Generator().manual_seed(seed)
+    T, N, Hk, Hv, D = cu[-1], len(cu) - 1, 2, 4, 128
+    r = lambda *s: torch.randn(*s, generator=gen)   # noqa: E731
+    q, k = (torch.nn.functional.normalize(r(1, T, Hk, D), dim=-1).bfloat16() for _ in range(2))
+    v = r(1, T, Hv, D).bfloat16()
+    g = -torch.rand(1, T, Hv, generator=gen) * 0.05          # slow decay: a lost state would show
+    beta = torch.rand(1, T, Hv, generator=gen).bfloat16()
+    h0 = r(N, Hv, D, D) * 0.1 if with_state else None
+    return (q, k, v, g, beta), h0, torch.tensor(cu)
+
+
+@pytest.mark.parametrize("cu", [[0, 100, 100, 257, 700], [0, 0, 0, 70, 70], [0, 3, 3], [0, 65, 130]])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_empty_segments_are_dropped_and_their_states_pass_through(monkeypatch, cu, with_state):
+    calls = []
+    _fake_flash_qla(monkeypatch, calls)
+    xs, h0, cut = _inputs(cu, with_state, seed=len(cu) + with_state)
+    o, s = flash_qla_backend.chunk_fwd(*xs, initial_state=h0, output_final_state=True, cu=cut)
+    o_r, s_r = reference.chunk_gated_delta_rule(*(x.double() for x in xs), None,
+                                                None if h0 is None else h0.double(), True, cut)
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o.double(), o_r, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(s.double(), s_r, rtol=1e-5, atol=1e-5)
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(o.shape, generator=gen).bfloat16()
+    dfinal = torch.randn(s.shape, generator=gen)
+    grads = flash_qla_backend.chunk_bwd(do, dfinal, *xs, initial_state=h0, cu=cut)
+    leaves = [x.double().requires_grad_(True) for x in xs]
+    h = None if h0 is None else h0.double().requires_grad_(True)
+    o_r, s_r = reference.chunk_gated_delta_rule(*leaves, None, h, True, cut)
+    loss = (o_r * do.double()).sum() + (s_r * dfinal.double()).sum()
+    want = torch.autograd.grad(loss, leaves + ([h] if h is not None else []))
+    for i, w in enumerate(want):         # chunk_bwd returns dq, dk, dv, dg, dbeta, dh0
+        assert torch.isfinite(grads[i]).all()
+        torch.testing.assert_close(grads[i].double(), w, rtol=2e-2, atol=2e-2)
+    if h0 is None:
+        assert grads[5] is None
+    # FlashQLA itself never saw an empty segment (the fake would have returned NaN)
+    assert calls and all(c is None or all(b > a for a, b in zip(c, c[1:])) for c in calls)
+
+
+def test_without_empty_segments_keeps_every_boundary():
+    cu = torch.tensor([0, 0, 5, 5, 5, 9, 12, 12])
+    c = varlen.without_empty_segments(cu)
+    assert c.cu.tolist() == [0, 5, 9, 12] and c.keep.tolist() == [1, 4, 5] and c.num_seqs == 7
+    assert varlen.without_empty_segments(torch.tensor([0, 1, 3])) is None
+    full = torch.randn(7, 2)
+    kept = torch.randn(3, 2)
+    out = varlen.expand_states(c, kept, full)
+    torch.testing.assert_close(out[c.keep], kept)
+    torch.testing.assert_close(out[[0, 2, 3, 6]], full[[0, 2, 3, 6]])
+    assert torch.equal(varlen.expand_states(c, kept, None)[[0, 2, 3, 6]], torch.zeros(4, 2))
