@@ -3,7 +3,7 @@ compile nothing, on every backend the layer can use.
 
 Starts with empty Triton and TileLang caches (fresh temporary folders, set before either is imported),
 builds one GatedDeltaNet layer, times ``gdn_layer.kernels.warmup(layer)``, then runs forward+backward
-over 8 packed layouts (few long documents and many short ones, so FlashQLA's old automatic intra-card
+over 9 packed layouts (few long documents and many short ones, one with an empty segment, so FlashQLA's old automatic intra-card
 CP choice would have flipped) and prints, per layout, the kernels compiled during its first call (files
 new in the caches, and Triton JIT compiles counted by ``knobs.runtime.jit_post_compile_hook``) and its
 first-call vs steady-state time. Must print 0 new compiles everywhere.
@@ -29,6 +29,7 @@ def layouts(seed: int = 0):
                  (65536, 33)):
         cuts = sorted(rnd.sample(range(1, T), n - 1))
         out.append([0, *cuts, T])
+    out.append([0, 4000, 4000, 9000, 16384])          # a zero-length segment (FlashQLA gets the pack without it)
     return out
 
 

@@ -120,6 +120,28 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
     return dq, dk, dv, dg, db, dh0
 
 
+def _target_ctas() -> int:
+    """FlashQLA's ``TARGET_NUM_CTAS`` for this GPU (its forward module's constant, 70% of the SMs in 0.1.3)."""
+    import sys
+    try:
+        from flash_qla.ops.gated_delta_rule import chunk as qla
+        return int(sys.modules[qla.fused_gdr_fwd.__module__].TARGET_NUM_CTAS)
+    except (ImportError, AttributeError, KeyError):
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count * 0.7)
+
+
+def warmup_sequence_counts(num_v_heads: int) -> tuple[int, ...]:
+    """Sequence counts N that make FlashQLA's forward build each of its kernel variants.
+
+    FlashQLA 0.1.3's forward compiles its V block size (a TileLang compile-time parameter) from the
+    number of sequences: 128 when ``N * Hv >= target`` CTAs, 64 when ``2 N Hv >= target``, else 32
+    (``target`` = 70% of the SMs, 92 on an H200). A pack of one long document, of two, and of many each
+    meet another variant (each ~15-20 s to build cold): ``warmup()`` runs one pack per count returned.
+    """
+    h, target = max(1, num_v_heads), _target_ctas()
+    return tuple(sorted({1, -(-target // (2 * h)), -(-target // h)}))
+
+
 def make_backend():
     from .registry import Backend
     return Backend(
@@ -127,4 +149,5 @@ def make_backend():
         causal_conv1d=conv_fwd, gated_rms_norm=norm_fwd, available=available, priority=20,
         gdn_gate=gate_fwd, chunk_gated_delta_rule_bwd=chunk_bwd,
         recurrent_gated_delta_rule_bwd=fla_backend.recurrent_bwd, causal_conv1d_bwd=conv_bwd,
-        gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True)
+        gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True,
+        warmup_sequence_counts=warmup_sequence_counts)

@@ -46,6 +46,10 @@ class Backend:
     # run dense ``[B, T]`` delta-rule calls as a pack of B sequences of T tokens (exact): compiled
     # backends then build one (varlen) kernel variant per flag set instead of two
     dense_as_packed: bool = False
+    # ``warmup_sequence_counts(num_v_heads) -> counts``: sequence counts N (for the value heads per call)
+    # whose packs build each compiled variant the backend picks from N (``warmup()`` runs one pack per N);
+    # None: nothing the backend compiles depends on N
+    warmup_sequence_counts: Callable[[int], tuple[int, ...]] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}

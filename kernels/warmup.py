@@ -8,7 +8,8 @@ shows it on a GPU; ``tests/test_triton_compile.py`` on CPU with Triton's real co
 The flag combinations: packed (``cu_seqlens``) and dense ``[B, T]`` inputs (the compiled CUDA backends
 run a dense batch as a pack of B sequences, so for their chunk kernels this is one variant); with and
 without an initial state and a returned state; the decode path (one token per sequence, the recurrent
-kernel); each forward and backward. Triton's (and tilelang's) disk caches make a second process start
+kernel); each forward and backward. A backend that picks a compiled variant from the number of
+sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one pack per such count. Triton's (and tilelang's) disk caches make a second process start
 warm.
 """
 from __future__ import annotations
@@ -16,6 +17,15 @@ from __future__ import annotations
 import time
 
 import torch
+
+
+def _backend(layer):
+    """The registry entry the layer runs on (None for an unknown name)."""
+    from .registry import backend_by_name
+    try:
+        return backend_by_name(layer.resolved_backend)
+    except (KeyError, AttributeError):
+        return None
 
 
 def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True, include_states: bool = True) -> float:
@@ -72,6 +82,15 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
         run(x, cu, state(2) if st else None, out_state)
         xb = torch.randn(2, local, layer.hidden_size, device=device, dtype=dtype)   # dense batch
         run(xb, None, state(2) if st else None, out_state)
+    # packs of other sequence counts where the backend picks a compiled variant from N (FlashQLA's V block)
+    counts = getattr(_backend(layer), "warmup_sequence_counts", None)
+    extra = [n for n in (counts(layer.heads.v_heads_per_rank) if counts else ()) if n != 2]
+    for n in extra:
+        Tn = 2 * 64 * P * max(1, -(-n // (2 * 64)))        # room for n sequences, divisible by P
+        ncu = torch.div(torch.arange(n + 1, device=device) * Tn, n, rounding_mode="floor")
+        for st, out_state in combos:
+            run(torch.randn(1, Tn // P, layer.hidden_size, device=device, dtype=dtype), ncu,
+                state(n) if st else None, out_state)
     if include_decode and include_states and P == 1:  # decode is one token per sequence: T = N is not split across ranks
         n = 3
         x = torch.randn(1, n, layer.hidden_size, device=device, dtype=dtype)

@@ -118,3 +118,32 @@ def test_warmup_without_states_runs_only_the_stateless_training_path():
         assert {c[1:] for c in calls} == {(False, False), (False, True), (True, True), (True, False)}
     finally:
         registry._BACKENDS.pop("logged_delta", None)
+
+
+def test_warmup_runs_a_pack_of_each_sequence_count_the_backend_compiles_for():
+    """A backend whose compiled variant depends on the sequence count (FlashQLA's V block) lists the
+    counts in ``warmup_sequence_counts``: warmup runs each with every state combination it builds."""
+    seen, asked = [], []
+    torch_b = registry.backend_by_name("torch")
+
+    def chunk(*args, initial_state=None, output_final_state=False, cu=None, **kw):
+        seen.append((1 if cu is None else cu.numel() - 1, initial_state is not None, output_final_state))
+        return torch_b.chunk_gated_delta_rule(*args, initial_state=initial_state,
+                                              output_final_state=output_final_state, cu=cu, **kw)
+
+    def counts(hv):
+        asked.append(hv)
+        return (1, 5, 2)
+
+    registry.register_backend(dataclasses.replace(
+        torch_b, name="counted", priority=-5, chunk_gated_delta_rule=chunk, warmup_sequence_counts=counts,
+        dense_as_packed=True))
+    try:
+        layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="counted")
+        warmup(layer, include_states=False)
+        assert asked == [2] and {s for s in seen} == {(n, False, False) for n in (1, 2, 5)}
+        seen.clear()
+        warmup(layer, include_decode=False)
+        assert {s for s in seen} == {(n, a, b) for n in (1, 2, 5) for a in (False, True) for b in (False, True)}
+    finally:
+        registry._BACKENDS.pop("counted", None)
