@@ -47,6 +47,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--no-states", action="store_true",
                     help="warmup(include_states=False): build only the stateless training path, and time that")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="warmup()'s child processes that build kernels in parallel (default: its own choice; 0: none)")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
 
@@ -69,7 +71,7 @@ def main(argv=None):
     print(f"backend {args.backend!r} -> {layer.resolved_backend!r}; torch {torch.__version__}, triton "
           f"{triton.__version__}; {torch.cuda.get_device_name()}", flush=True)
     files0 = {k: count_files(v) for k, v in caches.items()}
-    warm_s = warmup(layer, include_states=not args.no_states)
+    warm_s = warmup(layer, include_states=not args.no_states, workers=args.workers)
     after_warm = {k: count_files(v) for k, v in caches.items()}
     print(f"warmup: {warm_s:.1f} s, Triton compiles {jit_compiles[0]}, cache files "
           f"{ {k: after_warm[k] - files0[k] for k in caches} }", flush=True)

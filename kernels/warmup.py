@@ -9,14 +9,29 @@ The flag combinations: packed (``cu_seqlens``) and dense ``[B, T]`` inputs (the 
 run a dense batch as a pack of B sequences, so for their chunk kernels this is one variant); with and
 without an initial state and a returned state; the decode path (one token per sequence, the recurrent
 kernel); each forward and backward. A backend that picks a compiled variant from the number of
-sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one pack per such count. Triton's (and tilelang's) disk caches make a second process start
+sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one pack per such count.
+
+Cold, the compiles dominate (FlashQLA's TileLang kernels take 15-20 s each on an H200) and run one after
+another in one process; so on CUDA ``warmup`` first runs the calls spread over ``workers`` child
+processes (each builds its share into the shared disk caches), then every call in this process, which
+loads what the children built. Triton's (and tilelang's) disk caches make a second process start
 warm.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
+import subprocess
+import sys
 import time
 
 import torch
+
+log = logging.getLogger("gdn_layer.kernels")
+# backends whose layer a child process can rebuild by name (a backend registered at run time is not
+# registered in a child)
+_CHILD_BACKENDS = ("fla", "flash_qla")
 
 
 def _backend(layer):
@@ -28,7 +43,107 @@ def _backend(layer):
         return None
 
 
-def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True, include_states: bool = True) -> float:
+def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
+    """The calls that cover every variant: ``(kind, n, initial_state?, output_state?, grad?)`` with kind
+    "packed" (n sequences), "dense" (n rows) or "decode" (n sequences of one token)."""
+    combos = ((False, False), (False, True), (True, True), (True, False))
+    if not include_states and getattr(layer, "cp_size", 1) == 1:
+        combos = combos[:1]
+    jobs = [(kind, 2, st, out, True) for st, out in combos for kind in ("packed", "dense")]
+    # packs of other sequence counts where the backend picks a compiled variant from N (FlashQLA's V block)
+    counts = getattr(_backend(layer), "warmup_sequence_counts", None)
+    for n in (counts(layer.heads.v_heads_per_rank) if counts else ()):
+        if n != 2:
+            jobs += [("packed", n, st, out, True) for st, out in combos]
+    if include_decode and include_states and layer.sp_size == 1:   # decode: T = N is not split across ranks
+        jobs += [("decode", 3, True, out, grad) for grad in (False, True) for out in (True, False)]
+    return jobs
+
+
+def _run_jobs(layer, dtype, jobs) -> None:
+    from gdn_layer.state import GDNState  # the layer's own state type; imported here to keep kernels/ standalone
+
+    p = next(layer.parameters())
+    device, P = p.device, layer.sp_size
+    params = [q for q in layer.parameters() if q.requires_grad]
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != p.dtype
+                else torch.autocast(device.type, enabled=False))
+
+    def state(n):
+        return GDNState(torch.randn(n, layer.conv_dim, layer.conv_kernel_size - 1, device=device),
+                        torch.randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device) * 0.1)
+
+    for kind, n, st, out_state, grad in jobs:
+        if kind == "decode":
+            T, B, cu = n, 1, torch.arange(n + 1, device=device)
+        else:
+            # two chunks per rank (more for many sequences), a sequence boundary mid-chunk, T divisible by P
+            T = 2 * 64 * P * max(1, -(-n // (2 * 64)))
+            B, cu = (1, torch.div(torch.arange(n + 1, device=device) * T, n, rounding_mode="floor")
+                     if n != 2 else torch.tensor([0, 37 * P, T], device=device))
+            if kind == "dense":
+                B, T, cu = n, T, None
+        x = torch.randn(B, T // (1 if kind == "decode" else P), layer.hidden_size, device=device, dtype=dtype)
+        x.requires_grad_(grad)
+        with torch.set_grad_enabled(grad), autocast:
+            res = layer(x, cu_seqlens=cu, state=state(n) if st else None, output_state=out_state)
+            y, new = (res if out_state else (res, None))
+            if grad:
+                loss = y.float().square().mean() + (0 if new is None else new.recurrent_state.square().mean())
+                torch.autograd.grad(loss, [x, *params], allow_unused=True)
+
+
+def _spec(layer, dtype) -> dict | None:
+    """What a child process needs to rebuild this layer's kernels, or None when it cannot."""
+    p = next(layer.parameters())
+    if (p.device.type != "cuda" or layer.sp_size != 1 or getattr(layer, "cp_size", 1) != 1
+            or layer.resolved_backend not in _CHILD_BACKENDS):
+        return None
+    return {"args": [layer.hidden_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim],
+            "kwargs": {"conv_kernel_size": layer.conv_kernel_size, "norm_eps": layer.norm.eps,
+                       "projection_layout": layer.projection_layout, "backend": layer.resolved_backend},
+            "param_dtype": str(p.dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
+            "device": str(p.device if p.device.index is not None else torch.device("cuda", torch.cuda.current_device()))}
+
+
+def _in_children(spec: dict, jobs: list, workers: int) -> None:
+    """Run ``jobs`` split over ``workers`` child processes (``python -m gdn_layer.kernels._warmup_child``) and
+    wait for them; a child that fails is logged, not raised (this process builds what it missed)."""
+    import gdn_layer
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(gdn_layer.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    procs = []
+    for w in range(workers):
+        share = jobs[w::workers]
+        if share:
+            msg = json.dumps({**spec, "jobs": share})
+            proc = subprocess.Popen([sys.executable, "-m", "gdn_layer.kernels._warmup_child"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+            proc.stdin.write(msg)
+            proc.stdin.close()
+            procs.append(proc)
+    for proc in procs:
+        err = proc.stderr.read()
+        if proc.wait() != 0:
+            log.warning("warmup: a child process failed (rc %s); this process builds its share:\n%s",
+                        proc.returncode, err[-2000:])
+
+
+def _child_main() -> None:
+    spec = json.loads(sys.stdin.read())
+    from gdn_layer import GatedDeltaNet
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    layer = GatedDeltaNet(*spec["args"], **spec["kwargs"], device=device, dtype=getattr(torch, spec["param_dtype"]))
+    _run_jobs(layer, getattr(torch, spec["dtype"]), [tuple(j) for j in spec["jobs"]])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True, include_states: bool = True,
+           workers: int | None = None) -> float:
     """Run ``layer`` forward and backward over small inputs that cover every kernel variant.
 
     Args:
@@ -40,64 +155,34 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
             with ``include_states``).
         include_states: also build the variants that take an initial state and/or return the final
             state (continuing sequences, decode). False builds only what training without states runs
-            (one variant of each compiled kernel: FlashQLA's take ~70 s each to build cold on an H200);
-            a layer with ``cp_group`` uses states internally, so it always builds them.
+            (FlashQLA's kernels take 15-20 s each to build cold on an H200); a layer with ``cp_group``
+            uses states internally, so it always builds them.
+        workers: child processes that build the variants in parallel first (CUDA, backend ``fla`` or
+            ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPU cores, at most 8. They
+            share this process's environment (``TRITON_CACHE_DIR``, ``TILELANG_CACHE_DIR``,
+            ``CUDA_VISIBLE_DEVICES``) and build into the disk caches; 0 builds in this process only.
 
     Returns:
         seconds spent. Parameter ``.grad`` fields are left untouched (gradients are taken with
         ``torch.autograd.grad``).
+
+    Raises:
+        ValueError: ``workers`` negative. TypeError: ``workers`` not an int.
     """
-    from gdn_layer.state import GDNState  # the layer's own state type; imported here to keep kernels/ standalone
-
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
+        raise TypeError(f"workers must be an int or None, got {type(workers).__name__}")
+    if workers is not None and workers < 0:
+        raise ValueError(f"workers must be >= 0, got {workers}")
     p = next(layer.parameters())
-    device, dtype = p.device, dtype or p.dtype
-    P = layer.sp_size
-    params = [q for q in layer.parameters() if q.requires_grad]
+    dtype = dtype or p.dtype
     t0 = time.perf_counter()
-
-    def state(n):
-        return GDNState(torch.randn(n, layer.conv_dim, layer.conv_kernel_size - 1, device=device),
-                        torch.randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device) * 0.1)
-
-    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != p.dtype
-                 else torch.autocast(device.type, enabled=False))
-
-    def run(x, cu, st, out_state, grad=True):
-        x = x.requires_grad_(grad)
-        with torch.set_grad_enabled(grad), autocast:
-            res = layer(x, cu_seqlens=cu, state=st, output_state=out_state)
-            y, new = (res if out_state else (res, None))
-            if grad:
-                loss = y.float().square().mean() + (0 if new is None else new.recurrent_state.square().mean())
-                torch.autograd.grad(loss, [x, *params], allow_unused=True)
-
-    T = 2 * 64 * P                                         # two chunks per rank, a boundary mid-chunk
-    cu = torch.tensor([0, 37 * P, T], dtype=torch.int64, device=device)
-    local = T // P
-    combos = ((None, False), (None, True), ("given", True), ("given", False))
-    if not include_states and getattr(layer, "cp_size", 1) == 1:
-        combos = combos[:1]
-    for st, out_state in combos:
-        x = torch.randn(1, local, layer.hidden_size, device=device, dtype=dtype)
-        run(x, cu, state(2) if st else None, out_state)
-        xb = torch.randn(2, local, layer.hidden_size, device=device, dtype=dtype)   # dense batch
-        run(xb, None, state(2) if st else None, out_state)
-    # packs of other sequence counts where the backend picks a compiled variant from N (FlashQLA's V block)
-    counts = getattr(_backend(layer), "warmup_sequence_counts", None)
-    extra = [n for n in (counts(layer.heads.v_heads_per_rank) if counts else ()) if n != 2]
-    for n in extra:
-        Tn = 2 * 64 * P * max(1, -(-n // (2 * 64)))        # room for n sequences, divisible by P
-        ncu = torch.div(torch.arange(n + 1, device=device) * Tn, n, rounding_mode="floor")
-        for st, out_state in combos:
-            run(torch.randn(1, Tn // P, layer.hidden_size, device=device, dtype=dtype), ncu,
-                state(n) if st else None, out_state)
-    if include_decode and include_states and P == 1:  # decode is one token per sequence: T = N is not split across ranks
-        n = 3
-        x = torch.randn(1, n, layer.hidden_size, device=device, dtype=dtype)
-        dcu = torch.arange(n + 1, device=device)
-        for grad in (False, True):
-            run(x.clone(), dcu, state(n), True, grad=grad)
-            run(x.clone(), dcu, state(n), False, grad=grad)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    jobs = _jobs(layer, include_decode, include_states)
+    spec = _spec(layer, dtype)
+    if workers is None:
+        workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if spec is not None else 0
+    if workers > 0 and spec is not None:
+        _in_children(spec, jobs, min(workers, len(jobs)))
+    _run_jobs(layer, dtype, jobs)
+    if p.device.type == "cuda":
+        torch.cuda.synchronize(p.device)
     return time.perf_counter() - t0

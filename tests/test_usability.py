@@ -1,6 +1,7 @@
 """What a new user met (README-only trial): autocast, warmup's dtype, backend registration, queries."""
 import dataclasses
 
+import pytest
 import torch
 
 from gdn_layer import GatedDeltaNet
@@ -147,3 +148,27 @@ def test_warmup_runs_a_pack_of_each_sequence_count_the_backend_compiles_for():
         assert {s for s in seen} == {(n, a, b) for n in (1, 2, 5) for a in (False, True) for b in (False, True)}
     finally:
         registry._BACKENDS.pop("counted", None)
+
+
+def test_warmup_children_run_their_share_and_a_failing_child_is_only_logged(caplog):
+    """The child-process path of warmup (used on CUDA to build kernels in parallel), run here with the
+    torch backend on CPU: children rebuild the layer from the spec and run their jobs; a child that
+    fails is logged as a warning and warmup goes on."""
+    import importlib
+    import logging
+    wmod = importlib.import_module("gdn_layer.kernels.warmup")
+    layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
+    jobs = wmod._jobs(layer, include_decode=True, include_states=True)
+    assert {j[0] for j in jobs} == {"packed", "dense", "decode"}
+    spec = {"args": [32, 1, 2, 8, 8], "kwargs": {"backend": "torch"}, "param_dtype": "float32",
+            "dtype": "float32", "device": "cpu"}
+    with caplog.at_level(logging.WARNING, logger="gdn_layer.kernels"):
+        wmod._in_children(spec, jobs[:3], workers=2)
+    assert not [r for r in caplog.records if "child process failed" in r.message]
+    bad = {**spec, "args": [32, 3, 2, 8, 8]}        # num_v_heads not a multiple of num_k_heads: ValueError
+    with caplog.at_level(logging.WARNING, logger="gdn_layer.kernels"):
+        wmod._in_children(bad, jobs[:1], workers=1)
+    assert [r for r in caplog.records if "child process failed" in r.message and "ValueError" in r.message]
+    with pytest.raises(ValueError, match="workers"):
+        warmup(layer, workers=-1)
+    assert wmod._spec(layer, torch.float32) is None      # CPU / torch backend: no children
