@@ -12,9 +12,9 @@ kernel); each forward and backward. A backend that picks a compiled variant from
 sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one pack per such count.
 
 Cold, the compiles dominate (FlashQLA's TileLang kernels take 15-20 s each on an H200) and run one after
-another in one process; so on CUDA ``warmup`` first runs the calls spread over ``workers`` child
-processes (each builds its share into the shared disk caches), then every call in this process, which
-loads what the children built. Triton's (and tilelang's) disk caches make a second process start
+another in one process; so on CUDA ``warmup`` also starts ``workers`` child processes that run shares
+of the calls at the same time, building into the shared disk caches, while this process runs every call
+(loading what a child has already built). Warm caches: this process is done in seconds and stops them. Triton's (and tilelang's) disk caches make a second process start
 warm.
 """
 from __future__ import annotations
@@ -106,28 +106,44 @@ def _spec(layer, dtype) -> dict | None:
             "device": str(p.device if p.device.index is not None else torch.device("cuda", torch.cuda.current_device()))}
 
 
-def _in_children(spec: dict, jobs: list, workers: int) -> None:
-    """Run ``jobs`` split over ``workers`` child processes (``python -m gdn_layer.kernels._warmup_child``) and
-    wait for them; a child that fails is logged, not raised (this process builds what it missed)."""
+def _start_children(spec: dict, jobs: list, workers: int) -> list:
+    """Start ``workers`` child processes (``python -m gdn_layer.kernels._warmup_child``), each running its
+    share of ``jobs``; returns ``[(process, stderr file)]``. Their stderr goes to a temporary file (a
+    pipe that nobody drains would stall a child that logs a lot, as TileLang's compiler does)."""
+    import tempfile
+
     import gdn_layer
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(gdn_layer.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    procs = []
+    children = []
     for w in range(workers):
         share = jobs[w::workers]
         if share:
-            msg = json.dumps({**spec, "jobs": share})
+            err = tempfile.TemporaryFile(mode="w+")
             proc = subprocess.Popen([sys.executable, "-m", "gdn_layer.kernels._warmup_child"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
-            proc.stdin.write(msg)
+                                    stdout=subprocess.DEVNULL, stderr=err, env=env, text=True)
+            proc.stdin.write(json.dumps({**spec, "jobs": share}))
             proc.stdin.close()
-            procs.append(proc)
-    for proc in procs:
-        err = proc.stderr.read()
-        if proc.wait() != 0:
-            log.warning("warmup: a child process failed (rc %s); this process builds its share:\n%s",
-                        proc.returncode, err[-2000:])
+            children.append((proc, err))
+    return children
+
+
+def _finish_children(children: list, wait: bool) -> None:
+    """Wait for the children (``wait``) or stop those still running (what they were building, this
+    process has built meanwhile); a child that failed is logged, not raised."""
+    for proc, err in children:
+        if not wait and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        elif proc.wait() != 0:
+            err.seek(0)
+            log.warning("warmup: a child process failed (rc %s):\n%s", proc.returncode, err.read()[-2000:])
+        err.close()
 
 
 def _child_main() -> None:
@@ -157,8 +173,8 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
             state (continuing sequences, decode). False builds only what training without states runs
             (FlashQLA's kernels take 15-20 s each to build cold on an H200); a layer with ``cp_group``
             uses states internally, so it always builds them.
-        workers: child processes that build the variants in parallel first (CUDA, backend ``fla`` or
-            ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPU cores, at most 8. They
+        workers: child processes that build the variants in parallel with this process (CUDA, backend
+            ``fla`` or ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPU cores, at most 8. They
             share this process's environment (``TRITON_CACHE_DIR``, ``TILELANG_CACHE_DIR``,
             ``CUDA_VISIBLE_DEVICES``) and build into the disk caches; 0 builds in this process only.
 
@@ -180,9 +196,13 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     spec = _spec(layer, dtype)
     if workers is None:
         workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if spec is not None else 0
-    if workers > 0 and spec is not None:
-        _in_children(spec, jobs, min(workers, len(jobs)))
-    _run_jobs(layer, dtype, jobs)
+    # the children build ahead of this process, which runs every call itself (loading what a child has
+    # built, building what none has yet); when it is done, children still running have nothing left to add
+    children = _start_children(spec, jobs, min(workers, len(jobs))) if workers > 0 and spec is not None else []
+    try:
+        _run_jobs(layer, dtype, jobs)
+    finally:
+        _finish_children(children, wait=False)
     if p.device.type == "cuda":
         torch.cuda.synchronize(p.device)
     return time.perf_counter() - t0

@@ -163,12 +163,16 @@ def test_warmup_children_run_their_share_and_a_failing_child_is_only_logged(capl
     spec = {"args": [32, 1, 2, 8, 8], "kwargs": {"backend": "torch"}, "param_dtype": "float32",
             "dtype": "float32", "device": "cpu"}
     with caplog.at_level(logging.WARNING, logger="gdn_layer.kernels"):
-        wmod._in_children(spec, jobs[:3], workers=2)
+        wmod._finish_children(wmod._start_children(spec, jobs[:3], workers=2), wait=True)
     assert not [r for r in caplog.records if "child process failed" in r.message]
     bad = {**spec, "args": [32, 3, 2, 8, 8]}        # num_v_heads not a multiple of num_k_heads: ValueError
     with caplog.at_level(logging.WARNING, logger="gdn_layer.kernels"):
-        wmod._in_children(bad, jobs[:1], workers=1)
+        wmod._finish_children(wmod._start_children(bad, jobs[:1], workers=1), wait=True)
     assert [r for r in caplog.records if "child process failed" in r.message and "ValueError" in r.message]
+    caplog.clear()
+    children = wmod._start_children(spec, jobs * 20, workers=1)      # still importing torch when stopped
+    wmod._finish_children(children, wait=False)
+    assert children[0][0].returncode is not None and not caplog.records
     with pytest.raises(ValueError, match="workers"):
         warmup(layer, workers=-1)
     assert wmod._spec(layer, torch.float32) is None      # CPU / torch backend: no children
