@@ -236,7 +236,8 @@ class _ProjectToHead(torch.autograd.Function):
 
 def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Tensor:
     """``seq_to_head(F.linear(x, weight), feature_index, group)`` without materialising the projection:
-    one batched GEMM writes each destination rank's features straight into the all-to-all's send buffer.
+    one GEMM per destination rank writes its features straight into the exchange's send buffer (for
+    the other ranks) or the receive buffer (for this rank).
 
     Args:
         x: ``[B, T_local, H]`` (sequence-sharded, as for ``seq_to_head``).
@@ -304,12 +305,15 @@ def seq_to_head(x: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Te
         stride smaller than the token stride when B > 1.
 
     How: rows made of at most ``feature_plan.MAX_RUNS_PER_ROW`` contiguous runs (the layer's rows are
-    5) are written into the send buffer by slice copies, one per run shared by all rows whose runs
-    advance by a constant step; other rows are gathered with ``index_select``.
+    5) are written by slice copies, one per run shared by all rows whose runs advance by a constant
+    step; other rows are gathered with ``index_select``. The P - 1 peers' rows go into a send buffer
+    and are exchanged point-to-point (one batch); this rank's own row is written straight from x into
+    the receive buffer while that exchange is in flight, and never sent.
 
-    Backward: the reverse all-to-all, then the same slices copied back into the F features; a feature
-    sent to several ranks receives the sum of their gradients (an add per extra copy, or ``index_add_``
-    for gathered rows), a feature sent nowhere a zero gradient.
+    Backward: the peers' blocks of the gradient sent back (as they are when contiguous, e.g. B == 1 or
+    a gradient in the output's layout), the own block unpacked into the F features while they travel,
+    then the received ones; a feature sent to several ranks receives the sum of their gradients (an add
+    per extra copy, or ``index_add_`` for gathered rows), a feature sent nowhere a zero gradient.
 
     Raises:
         TypeError: x or feature_index not a tensor, feature_index not int64.
@@ -330,17 +334,19 @@ def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
 
     Args:
         x: ``[B, T, F_local]``: every token in global order, this rank's F_local features, any strides
-            (no copy before the collective when B == 1 and x is contiguous, or when x is
+            (no copy before the exchange when B == 1 and x is contiguous, or when x is in
             ``seq_to_head``'s layout). Every rank must pass the same shape.
         group: None, a ProcessGroup or a 1-D DeviceMesh.
 
     Returns:
         ``[B, T / P, P * F_local]``, contiguous: rank i's tokens ``[i*T/P, (i+1)*T/P)``, features ordered
-        by source rank: ``[features of rank 0 | features of rank 1 | ... ]`` (one copy out of the
-        receive buffer, which holds them by source rank first). With no group (or size 1): x.
+        by source rank: ``[features of rank 0 | features of rank 1 | ... ]``. Each element is written
+        once: this rank's own block straight from x while the peers' blocks are exchanged, then each
+        received block. With no group (or size 1): x.
 
-    Backward: the gradient copied once into the send layout, then the reverse all-to-all; the
-    returned gradient is a view of the receive buffer (``[T, B, F_local]`` order).
+    Backward: the peers' column blocks of the gradient copied once into a send buffer and exchanged;
+    the own block copied into the receive buffer meanwhile. The returned gradient is a view of that
+    buffer (``[T, B, F_local]`` order).
 
     Raises:
         TypeError: x not a tensor.
