@@ -141,8 +141,8 @@ def count_sent_bytes():
 
     Yields a dict whose ``"bytes"`` (total) and ``"calls"`` (``{name: count}``) fill in as collectives run.
     The input tensors' sizes are summed (an all-gather counts this rank's shard once, an all-to-all its
-    whole send buffer, a point-to-point batch its sends, an all-reduce its buffer once), which is what the caller asked the library to
-    move, not the wire traffic of a particular algorithm. Only calls through the ``torch.distributed``
+    whole send buffer, a point-to-point batch its sends, an all-reduce its buffer once), which is what
+    the caller asked the library to move, not the wire traffic of a particular algorithm. Only calls through the ``torch.distributed``
     namespace are seen (what ``gdn_layer.parallel`` uses); the originals are restored on exit.
     """
     counts = {"bytes": 0, "calls": {}}
