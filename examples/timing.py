@@ -94,6 +94,9 @@ def _nbytes(tensors) -> int:
 
 # For each torch.distributed collective: the tensors this rank puts on the wire, from (args, kwargs).
 # Rooted ones (broadcast, scatter) count only on the root; the others count every rank's input.
+_ORIGINAL_ISEND = dist.isend
+
+
 def _arg(args, kwargs, i, name):
     return args[i] if len(args) > i else kwargs.get(name)
 
@@ -123,7 +126,10 @@ _SENT = {
     "reduce_scatter_single": lambda a, k: [_arg(a, k, 1, "input")],
     "gather": lambda a, k: [_arg(a, k, 0, "tensor")],
     "send": lambda a, k: [_arg(a, k, 0, "tensor")],
-    "isend": lambda a, k: [_arg(a, k, 0, "tensor")],
+    # point-to-point batches: their sends. ``isend`` itself is not wrapped: ``P2POp`` accepts only the
+    # original function, and the all-to-all pair hands it ``dist.isend``
+    "batch_isend_irecv": lambda a, k: [op.tensor for op in _arg(a, k, 0, "p2p_op_list")
+                                       if op.op is _ORIGINAL_ISEND],
     "broadcast": _from_root(0, "tensor", 1),
     "scatter": _from_root(1, "scatter_list", 2),
 }
@@ -135,8 +141,8 @@ def count_sent_bytes():
 
     Yields a dict whose ``"bytes"`` (total) and ``"calls"`` (``{name: count}``) fill in as collectives run.
     The input tensors' sizes are summed (an all-gather counts this rank's shard once, an all-to-all its
-    whole send buffer, an all-reduce its buffer once), which is what the caller asked the library to
-    move, not the wire traffic of a particular algorithm. Only calls through the ``torch.distributed``
+    whole send buffer, a point-to-point batch its sends, an all-reduce its buffer once), which is what
+    the caller asked the library to move, not the wire traffic of a particular algorithm. Only calls through the ``torch.distributed``
     namespace are seen (what ``gdn_layer.parallel`` uses); the originals are restored on exit.
     """
     counts = {"bytes": 0, "calls": {}}

@@ -1,86 +1,158 @@
 """The Ulysses all-to-all pair: sequence-sharded <-> feature(head)-sharded, with autograd.
 
-Each direction moves ONE contiguous buffer with ``torch.distributed.all_to_all_single`` (equal splits
-along dim 0), which gloo, NCCL and HCCL all implement; packing every tensor of a layer (q, k, v, a, b)
-into the feature dim of one buffer keeps it to one collective per direction.
-
 Layout conventions (P = group size, rank i):
 
 - sequence-sharded: ``[B, T_local, F]``, rank i holds tokens ``[i*T_local, (i+1)*T_local)`` of the global
   ``T = P * T_local`` and all F features.
 - feature-sharded: ``[B, T, F_out]``, every token in global order, only this rank's features.
 
-Each byte is moved once on each side of the collective. Both buffers are ``[P, T_local, B, F_out]``
-(block d goes to / came from rank d; tokens before batch): ``seq_to_head`` writes its send buffer with
-a few slice copies (``feature_plan``: no gather) and returns the receive buffer as a view,
+Both sides think in ``[P, T_local, B, F_out]`` blocks (block d goes to / came from rank d; tokens before
+batch). Of the P blocks a rank produces, the one it "sends to itself" never enters a collective: the
+P - 1 peers' blocks are posted as one batch of point-to-point sends and receives
+(``torch.distributed.batch_isend_irecv``: gloo, NCCL and other backends), and while they are in flight
+the own block is copied (or, in ``project_seq_to_head``, computed) straight from the input into its
+place in the output. Only then does the current stream wait for the exchange (``Work.wait``: on NCCL a
+stream dependency, no host sync) and read what arrived. ``seq_to_head`` writes the peers' send blocks
+with a few slice copies (``feature_plan``: no gather) and returns the receive buffer as a view,
 ``[P*T_local, B, F_out]`` transposed to ``[B, T, F_out]``, a view for every B. The backward is the
-reverse collective plus the same slice copies, adding only where a feature went to several ranks.
+reverse exchange plus the same slice copies, adding only where a feature went to several ranks.
+docs/ulysses.md says which bytes go where and why.
 """
 from __future__ import annotations
+
+from contextlib import nullcontext as _nullcontext
 
 import torch
 import torch.distributed as dist
 
-from .feature_plan import pack, plan_for, unpack
+from .feature_plan import pack, pack_rows, plan_for, unpack, unpack_rows, unpack_start
 from .groups import resolve_sp_group
 
 
-def _exchange(send: torch.Tensor, group) -> torch.Tensor:
-    """``out[s] = send_of_rank_s[me]`` for a contiguous ``[P, ...]`` buffer; no group: ``send`` itself."""
-    if group is None:
-        return send
-    out = torch.empty_like(send)
-    dist.all_to_all_single(out, send, group=group)
-    return out
+def _peer_ranges(P: int, me: int) -> list[tuple[int, int, int]]:
+    """``(lo, hi, j)``: rows ``[lo, hi)`` of a ``[P, ...]`` buffer are entries ``[j, j + hi - lo)`` of the
+    ``[P - 1, ...]`` buffer of the peers' blocks (every row but ``me``, in rank order)."""
+    return [(lo, hi, j) for lo, hi, j in ((0, me, 0), (me + 1, P, me)) if hi > lo]
+
+
+def _peers(P: int, me: int) -> list[int]:
+    return [d for d in range(P) if d != me]
+
+
+def _peer_blocks(t: torch.Tensor, me: int) -> list[torch.Tensor]:
+    """The peers' blocks ``t[d]`` (``d != me``) of a ``[P, ...]`` tensor, each contiguous as a
+    point-to-point send needs: views of ``t`` when they already are, else one buffer holding copies."""
+    peers = _peers(t.shape[0], me)
+    if all(t[d].is_contiguous() for d in peers):
+        return [t[d] for d in peers]
+    buf = t.new_empty(len(peers), *t.shape[1:])
+    for lo, hi, j in _peer_ranges(t.shape[0], me):
+        buf[j:j + hi - lo].copy_(t[lo:hi])
+    return list(buf.unbind(0))
+
+
+def _post(sends, recvs, me: int, group) -> list:
+    """Post ``sends[j]`` to and ``recvs[j]`` from the j-th peer (ranks of ``group`` but ``me``, in order)
+    as one batch; returns the works to ``_wait`` on. Nothing is posted for an empty block (every rank
+    has the same shapes, so every rank skips alike)."""
+    peers = _peers(len(sends) + 1, me)
+    if not peers or sends[0].numel() == 0:
+        return []
+    ops = []
+    for d, s, r in zip(peers, sends, recvs):
+        ops.append(dist.P2POp(dist.irecv, r, group=group, group_peer=d))
+        ops.append(dist.P2POp(dist.isend, s, group=group, group_peer=d))
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    # NCCL: the current stream waits for the exchange (no host sync); gloo: the host waits
+    for w in works:
+        w.wait()
 
 
 class _SeqToHead(torch.autograd.Function):
     """``x [B, T_local, F]`` -> receive buffer ``[P, T_local, B, F_out]`` (``None`` group: P = 1, no collective).
 
-    Backward: the reverse all-to-all of the gradient, then ``feature_plan.unpack`` (copies, adds where
-    features repeat, zeros where none was sent).
+    Forward: the peers' rows packed into ``[P - 1, T_local, B, F_out]`` and exchanged; meanwhile row
+    ``me`` is packed from x straight into ``recv[me]``. Backward: the peers' blocks of the gradient sent
+    back (no copy when they are contiguous); meanwhile block ``me`` is unpacked into dx, then the
+    received blocks (``feature_plan.unpack_rows``: copies, adds where features repeat, zeros where none
+    was sent).
     """
 
     @staticmethod
-    def forward(ctx, x, feature_index, plan, group):
-        ctx.plan, ctx.group, ctx.F = plan, group, x.shape[2]
+    def forward(ctx, x, feature_index, plan, group, me):
+        ctx.plan, ctx.group, ctx.me, ctx.F = plan, group, me, x.shape[2]
         ctx.save_for_backward(feature_index)
         B, T_local, _ = x.shape
-        send = x.new_empty(plan.rows, T_local, B, plan.width)
-        pack(x, plan, feature_index, send)
-        return _exchange(send, group)
+        P = plan.rows
+        recv = x.new_empty(P, T_local, B, plan.width)
+        if group is None:
+            pack(x, plan, feature_index, recv)
+            return recv
+        send = x.new_empty(P - 1, T_local, B, plan.width)
+        for lo, hi, j in _peer_ranges(P, me):
+            pack_rows(x, plan, feature_index, send[j:j + hi - lo], lo, hi)
+        works = _post(send.unbind(0), [recv[d] for d in _peers(P, me)], me, group)
+        pack_rows(x, plan, feature_index, recv[me:me + 1], me, me + 1)      # overlaps the exchange
+        _wait(works)
+        return recv
 
     @staticmethod
     def backward(ctx, grad):
         (feature_index,) = ctx.saved_tensors
-        # the exchange reads grad and writes a new buffer: the incoming gradient is never modified
-        back = _exchange(grad.contiguous(), ctx.group)
-        return unpack(back, ctx.plan, feature_index, ctx.F), None, None, None
+        plan, group, me = ctx.plan, ctx.group, ctx.me
+        # grad is only read: sent as is, or copied; the incoming gradient is never modified
+        if group is None:
+            return unpack(grad, plan, feature_index, ctx.F), None, None, None, None
+        P, T_local, B, _ = grad.shape
+        out = unpack_start(grad, plan, B, T_local, ctx.F)
+        back = grad.new_empty(P - 1, *grad.shape[1:])
+        works = _post(_peer_blocks(grad, me), back.unbind(0), me, group)
+        unpack_rows(out, grad[me:me + 1], plan, feature_index, me, me + 1, first=me)   # overlaps
+        _wait(works)
+        for lo, hi, j in _peer_ranges(P, me):
+            unpack_rows(out, back[j:j + hi - lo], plan, feature_index, lo, hi, first=me)
+        return out, None, None, None, None
 
 
 class _HeadToSeq(torch.autograd.Function):
-    """``x [B, T, F_local]`` -> ``[B, T_local, P * F_local]`` (features by source rank); backward the reverse."""
+    """``x [B, T, F_local]`` -> ``[B, T_local, P * F_local]`` (features by source rank); backward the reverse.
+
+    Forward: x's blocks of the peers' tokens sent as they are when contiguous (B == 1 and x contiguous,
+    or x in ``seq_to_head``'s layout), else copied once; meanwhile x's block of my own tokens is copied
+    into its columns of the output, then the received blocks into theirs. Backward: the peers' column
+    blocks of the gradient copied into a send buffer; meanwhile my own block into the gradient's
+    receive buffer, which the peers' blocks then arrive in directly.
+    """
 
     @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
+    def forward(ctx, x, group, size, me):
+        ctx.group, ctx.size, ctx.me = group, size, me
         B, T, F_local = x.shape
         T_local = T // size
-        # [T, B, F_local] order: no copy when x is already laid out so (B == 1, or seq_to_head's output)
-        send = x.transpose(0, 1).reshape(size, T_local, B, F_local).contiguous()
-        recv = _exchange(send, group)                   # block s: rank s's features of my tokens
+        xt = x.transpose(0, 1).unflatten(0, (size, T_local))         # [P, T_local, B, F_local], a view
+        recv = x.new_empty(size - 1, T_local, B, F_local)            # block j: peer j's features of my tokens
+        works = _post(_peer_blocks(xt, me), recv.unbind(0), me, group)
         out = x.new_empty(B, T_local, size * F_local)
-        out.view(B, T_local, size, F_local).copy_(recv.permute(2, 1, 0, 3))
+        by_rank = out.view(B, T_local, size, F_local)
+        by_rank[:, :, me].copy_(xt[me].transpose(0, 1))              # overlaps the exchange
+        _wait(works)
+        for lo, hi, j in _peer_ranges(size, me):
+            by_rank[:, :, lo:hi].copy_(recv[j:j + hi - lo].permute(2, 1, 0, 3))
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        P, me = ctx.size, ctx.me
         B, T_local, _ = grad.shape
-        P = ctx.size
-        send = grad.new_empty(P, T_local, B, grad.shape[2] // P)
-        send.copy_(grad.unflatten(2, (P, -1)).permute(2, 1, 0, 3))
-        back = _exchange(send, ctx.group)               # block s: my features of rank s's tokens
-        return back.view(P * T_local, B, -1).transpose(0, 1), None, None
+        blocks = grad.unflatten(2, (P, -1)).permute(2, 1, 0, 3)      # [P, T_local, B, F_local], a view
+        back = grad.new_empty(P, T_local, B, blocks.shape[3])        # block s: my features of rank s's tokens
+        works = _post(_peer_blocks(blocks, me), [back[d] for d in _peers(P, me)], me, ctx.group)
+        back[me].copy_(blocks[me])                                   # overlaps the exchange
+        _wait(works)
+        return back.view(P * T_local, B, -1).transpose(0, 1), None, None, None
 
 
 def _check_3d(name: str, x) -> None:
@@ -109,23 +181,63 @@ def _checked_plan(feature_index, size: int, device, F: int, what: str):
     return plan
 
 
-class _Exchange(torch.autograd.Function):
-    """``_exchange`` with autograd: an all-to-all of equal blocks is its own adjoint (the gradient of the
-    block received from rank s goes back to rank s)."""
+class _ProjectToHead(torch.autograd.Function):
+    """``rows [N, H]`` (my tokens, ``N = T_local * B``, token-major) and ``w [P, F_out, H]`` (rank d's
+    rows of the projection) -> ``recv [P, T_local, B, F_out]``, ``recv[s] = rows_of_rank_s @ w[me]^T``.
+
+    Forward: one GEMM per peer d writes ``rows @ w[d]^T`` into the send buffer, the exchange is posted,
+    and meanwhile ``rows @ w[me]^T`` is computed straight into ``recv[me]`` (never sent nor copied).
+    Backward: the peers' gradient blocks go back (no copy when contiguous); meanwhile block ``me``'s
+    GEMMs run, then each received block's: ``drows = sum_d g_d @ w[d]``, ``dw[d] = g_d^T @ rows``.
+    Both operands have one dtype (``project_seq_to_head`` casts them as autocast would).
+    """
 
     @staticmethod
-    def forward(ctx, send, group):
-        ctx.group = group
-        return _exchange(send, group)
+    def forward(ctx, rows, w, group, me, T_local, B):
+        ctx.group, ctx.me = group, me
+        ctx.save_for_backward(rows, w)
+        P, W, _ = w.shape
+        N = rows.shape[0]
+        peers = _peers(P, me)
+        send = rows.new_empty(P - 1, N, W)
+        for j, d in enumerate(peers):
+            torch.mm(rows, w[d].t(), out=send[j])
+        recv = rows.new_empty(P, N, W)
+        works = _post(send.unbind(0), [recv[d] for d in peers], me, group)
+        torch.mm(rows, w[me].t(), out=recv[me])                      # overlaps the exchange
+        _wait(works)
+        return recv.view(P, T_local, B, W)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad.contiguous(), ctx.group), None
+        rows, w = ctx.saved_tensors
+        me = ctx.me
+        P, W, H = w.shape
+        N = rows.shape[0]
+        peers = _peers(P, me)
+        back = grad.new_empty(P - 1, N, W)
+        works = _post([b.view(N, W) for b in _peer_blocks(grad, me)], back.unbind(0), me, ctx.group)
+        want_rows, want_w = ctx.needs_input_grad[:2]
+        drows = dw = None
+        g = grad[me].reshape(N, W)                                   # overlaps the exchange
+        if want_rows:
+            drows = torch.mm(g, w[me])
+        if want_w:
+            dw = w.new_empty(P, W, H)
+            torch.mm(g.t(), rows, out=dw[me])
+        _wait(works)
+        for j, d in enumerate(peers):
+            if want_rows:
+                drows.addmm_(back[j], w[d])
+            if want_w:
+                torch.mm(back[j].t(), rows, out=dw[d])
+        return drows, dw, None, None, None, None
 
 
 def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Tensor:
     """``seq_to_head(F.linear(x, weight), feature_index, group)`` without materialising the projection:
-    one batched GEMM writes each destination rank's features straight into the all-to-all's send buffer.
+    one GEMM per destination rank writes its features straight into the exchange's send buffer (for
+    the other ranks) or the receive buffer (for this rank).
 
     Args:
         x: ``[B, T_local, H]`` (sequence-sharded, as for ``seq_to_head``).
@@ -134,26 +246,43 @@ def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: to
 
     Returns:
         ``[B, T_local * P, F_out]``, the same values, layout and strides as ``seq_to_head`` of the
-        projection. Forward: the rows of ``weight`` gathered per rank (``[P, F_out, H]``, weight-sized),
-        ``send[d] = x @ W_d^T`` by ``torch.bmm`` into ``[P, T_local, B, F_out]``, one all-to-all.
-        Backward: the reverse all-to-all, then the GEMM's backward (dx summed over destinations;
-        dweight accumulated by ``index_select``'s backward, so rows sent to several ranks add up).
+        projection. Forward: the rows of ``weight`` gathered per rank (``[P, F_out, H]``, weight-sized);
+        one GEMM per peer d writes ``x @ W_d^T`` into the send buffer ``[P - 1, T_local, B, F_out]``, and
+        while those blocks are exchanged ``x @ W_me^T`` is computed straight into the receive buffer
+        (the block this rank keeps is never sent or copied). Backward: the reverse exchange of the
+        peers' blocks, overlapped with the own block's GEMMs, then the received blocks' (dx summed over
+        destinations; dweight accumulated by ``index_select``'s backward, so rows sent to several ranks
+        add up). No group (or size 1): one ``torch.bmm`` for the one block. Under ``torch.autocast`` the
+        GEMMs run in its dtype, as ``F.linear`` would.
 
     Raises:
-        TypeError / ValueError: as ``seq_to_head``; weight not 2-D ``[F, H]`` matching x's last dim.
+        TypeError / ValueError: as ``seq_to_head``; weight not 2-D ``[F, H]`` matching x's last dim;
+        (TypeError) weight's dtype differs from x's outside autocast.
     """
-    group, size, _ = resolve_sp_group(group)
+    group, size, rank = resolve_sp_group(group)
     _check_3d("x", x)
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight must be [F, H] with H = x.shape[-1] = {x.shape[-1]}, got {tuple(weight.shape)}")
     plan = _checked_plan(feature_index, size, x.device, weight.shape[0], "F = weight.shape[0]")
+    dev = x.device.type
+    autocast = dev != "meta" and torch.is_autocast_enabled(dev)
+    if weight.dtype != x.dtype and not autocast:
+        raise TypeError(f"weight dtype {weight.dtype} differs from x's ({x.dtype}); cast one of them, "
+                        "or run under torch.autocast")
     B, T_local, H = x.shape
     w = weight.index_select(0, feature_index.flatten()).view(size, plan.width, H)
     rows = x.transpose(0, 1).reshape(T_local * B, H)           # tokens before batch (a view when B == 1)
-    send = torch.bmm(rows.expand(size, T_local * B, H), w.transpose(1, 2))
-    recv = _Exchange.apply(send, group) if size > 1 else send
+    if size == 1:
+        send = torch.bmm(rows.expand(size, T_local * B, H), w.transpose(1, 2))
+        return send.view(T_local, B, plan.width).transpose(0, 1)
+    if autocast:
+        # the GEMMs below write into buffers (out=), which autocast does not cast: cast as it would
+        dtype = torch.get_autocast_dtype(dev)
+        rows, w = rows.to(dtype), w.to(dtype)
+    with torch.autocast(dev, enabled=False) if autocast else _nullcontext():
+        recv = _ProjectToHead.apply(rows, w, group, rank, T_local, B)
     return recv.view(size * T_local, B, plan.width).transpose(0, 1)
 
 
@@ -176,23 +305,26 @@ def seq_to_head(x: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Te
         stride smaller than the token stride when B > 1.
 
     How: rows made of at most ``feature_plan.MAX_RUNS_PER_ROW`` contiguous runs (the layer's rows are
-    5) are written into the send buffer by slice copies, one per run shared by all rows whose runs
-    advance by a constant step; other rows are gathered with ``index_select``.
+    5) are written by slice copies, one per run shared by all rows whose runs advance by a constant
+    step; other rows are gathered with ``index_select``. The P - 1 peers' rows go into a send buffer
+    and are exchanged point-to-point (one batch); this rank's own row is written straight from x into
+    the receive buffer while that exchange is in flight, and never sent.
 
-    Backward: the reverse all-to-all, then the same slices copied back into the F features; a feature
-    sent to several ranks receives the sum of their gradients (an add per extra copy, or ``index_add_``
-    for gathered rows), a feature sent nowhere a zero gradient.
+    Backward: the peers' blocks of the gradient sent back (as they are when contiguous, e.g. B == 1 or
+    a gradient in the output's layout), the own block unpacked into the F features while they travel,
+    then the received ones; a feature sent to several ranks receives the sum of their gradients (an add
+    per extra copy, or ``index_add_`` for gathered rows), a feature sent nowhere a zero gradient.
 
     Raises:
         TypeError: x or feature_index not a tensor, feature_index not int64.
         ValueError: x not 3-D; feature_index not ``[P, F_out]``, not on x.device, or holding an index
             outside ``[0, F)``.
     """
-    group, size, _ = resolve_sp_group(group)
+    group, size, rank = resolve_sp_group(group)
     _check_3d("x", x)
     plan = _checked_plan(feature_index, size, x.device, x.shape[-1], "F")
     B, T_local, _ = x.shape
-    recv = _SeqToHead.apply(x, feature_index, plan, group if size > 1 else None)
+    recv = _SeqToHead.apply(x, feature_index, plan, group if size > 1 else None, rank)
     # [P, T_local, B, F_out] is [T, B, F_out] in global token order: a view for every B
     return recv.view(size * T_local, B, plan.width).transpose(0, 1)
 
@@ -202,23 +334,25 @@ def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
 
     Args:
         x: ``[B, T, F_local]``: every token in global order, this rank's F_local features, any strides
-            (no copy before the collective when B == 1 and x is contiguous, or when x is
+            (no copy before the exchange when B == 1 and x is contiguous, or when x is in
             ``seq_to_head``'s layout). Every rank must pass the same shape.
         group: None, a ProcessGroup or a 1-D DeviceMesh.
 
     Returns:
         ``[B, T / P, P * F_local]``, contiguous: rank i's tokens ``[i*T/P, (i+1)*T/P)``, features ordered
-        by source rank: ``[features of rank 0 | features of rank 1 | ... ]`` (one copy out of the
-        receive buffer, which holds them by source rank first). With no group (or size 1): x.
+        by source rank: ``[features of rank 0 | features of rank 1 | ... ]``. Each element is written
+        once: this rank's own block straight from x while the peers' blocks are exchanged, then each
+        received block. With no group (or size 1): x.
 
-    Backward: the gradient copied once into the send layout, then the reverse all-to-all; the
-    returned gradient is a view of the receive buffer (``[T, B, F_local]`` order).
+    Backward: the peers' column blocks of the gradient copied once into a send buffer and exchanged;
+    the own block copied into the receive buffer meanwhile. The returned gradient is a view of that
+    buffer (``[T, B, F_local]`` order).
 
     Raises:
         TypeError: x not a tensor.
         ValueError: x not 3-D, or T not divisible by P (pad the sequence with ``pad_for_sp`` first).
     """
-    group, size, _ = resolve_sp_group(group)
+    group, size, rank = resolve_sp_group(group)
     _check_3d("x", x)
     if size == 1:
         return x
@@ -226,7 +360,7 @@ def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     if T % size != 0:
         raise ValueError(f"x.shape[1] = T = {T} must be divisible by the SP size {size}; "
                          "pad the sequence with gdn_layer.parallel.pad_for_sp")
-    return _HeadToSeq.apply(x, group, size)
+    return _HeadToSeq.apply(x, group, size, rank)
 
 
 __all__ = ["seq_to_head", "head_to_seq", "project_seq_to_head"]

@@ -9,13 +9,15 @@ costs ~60x the collective at 64k tokens).
 ``plan_for(feature_index)`` reads the index on the host once (one device->host copy for a device
 tensor) and caches the plan by tensor identity and version counter, so later calls with the same
 tensor cost no sync. ``pack`` / ``unpack`` run the plan: forward and backward of the send side.
+``pack_rows`` / ``unpack_rows`` run it for a range of rows only, which is how ``all_to_all`` writes the
+block a rank keeps for itself straight into its destination while the peers' blocks are in flight.
 
 Buffer layout (see ``all_to_all.py`` for why): send / receive ``[P, T_local, B, F_out]``.
 """
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,7 +60,9 @@ class FeaturePlan:
 
     ``copies`` is None when some row has more than ``MAX_RUNS_PER_ROW`` runs (then: index_select /
     index_add_). ``disjoint``: no feature appears twice, so the backward is plain copies.
-    ``covered``: sorted, merged ``[start, stop)`` ranges of the features that appear at all.
+    ``pieces``: the backward's pieces when rows are written back in ascending order (``pieces_from``
+    gives them for another first row). ``covered``: sorted, merged ``[start, stop)`` ranges of the
+    features that appear at all. ``runs``: each row's ``(dst, src, n)`` runs (empty when ``copies`` is None).
     """
 
     rows: int
@@ -69,6 +73,20 @@ class FeaturePlan:
     disjoint: bool
     pieces: tuple[Piece, ...]
     covered: tuple[tuple[int, int], ...]
+    runs: tuple[tuple[tuple[int, int, int], ...], ...] = ()
+    _pieces_from: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def pieces_from(self, first: int) -> tuple[Piece, ...]:
+        """The backward's pieces when row ``first`` is written back before the others (then the rest in
+        ascending order): a rank unpacks the block it kept while the peers' blocks are still in flight,
+        so that block's features must be the ones copied, and a later row's repeat of them added."""
+        if first == 0 or self.disjoint or self.copies is None:
+            return self.pieces
+        hit = self._pieces_from.get(first)
+        if hit is None:
+            order = [first] + [d for d in range(self.rows) if d != first]
+            hit = self._pieces_from[first] = tuple(_pieces(self.runs, self.hi, order))
+        return hit
 
     def uncovered(self, F: int) -> list[tuple[int, int]]:
         """The ``[start, stop)`` ranges of ``[0, F)`` that no row reads (their gradient is zero)."""
@@ -113,12 +131,13 @@ def _group(runs_per_row: list[list[tuple[int, int, int]]]) -> list[Copy]:
     return done
 
 
-def _pieces(runs_per_row, hi: int) -> list[Piece]:
-    """Backward pieces in row order: the first write to a feature copies, later ones add."""
+def _pieces(runs_per_row, hi: int, order=None) -> list[Piece]:
+    """Backward pieces with rows taken in ``order`` (default ascending): the first write to a feature
+    copies, later ones add."""
     seen = [False] * (hi + 1)
     out = []
-    for d, runs in enumerate(runs_per_row):
-        for dst, src, n in runs:
+    for d in (range(len(runs_per_row)) if order is None else order):
+        for dst, src, n in runs_per_row[d]:
             i = 0
             while i < n:
                 acc = seen[src + i]
@@ -155,7 +174,8 @@ def build_plan(feature_index: torch.Tensor) -> FeaturePlan:
     if max(len(r) for r in runs_per_row) > MAX_RUNS_PER_ROW:
         return FeaturePlan(P, width, lo, hi, None, disjoint, (), covered)
     pieces = () if disjoint else tuple(_pieces(runs_per_row, hi))
-    return FeaturePlan(P, width, lo, hi, tuple(_group(runs_per_row)), disjoint, pieces, covered)
+    return FeaturePlan(P, width, lo, hi, tuple(_group(runs_per_row)), disjoint, pieces, covered,
+                       tuple(tuple(r) for r in runs_per_row))
 
 
 # id(tensor) -> (weakref to it, its version counter when planned, plan); entries leave with the tensor
@@ -194,43 +214,84 @@ def _rows_view(x: torch.Tensor, c: Copy) -> torch.Tensor:
     return x.as_strided((c.count, B, T, c.n), (c.step * sF, sB, sT, sF), x.storage_offset() + c.src * sF)
 
 
-def pack(x: torch.Tensor, plan: FeaturePlan, feature_index: torch.Tensor, send: torch.Tensor) -> None:
-    """Fill ``send [P, T_local, B, F_out]`` with ``send[d, t, b, :] = x[b, t, feature_index[d]]``."""
+def _restrict(c: Copy, lo: int, hi: int) -> Copy | None:
+    """The part of ``c`` that serves rows ``[lo, hi)``, or None when it serves none of them."""
+    first, stop = max(c.first, lo), min(c.first + c.count, hi)
+    if first >= stop:
+        return None
+    return Copy(first, stop - first, c.dst, c.src + (first - c.first) * c.step, c.step, c.n)
+
+
+def pack_rows(x: torch.Tensor, plan: FeaturePlan, feature_index: torch.Tensor, dest: torch.Tensor,
+              lo: int, hi: int) -> None:
+    """Rows ``[lo, hi)`` of the send buffer only: ``dest[d - lo, t, b, :] = x[b, t, feature_index[d]]``
+    for ``lo <= d < hi``; ``dest`` is ``[hi - lo, T_local, B, F_out]`` (any strides)."""
     if plan.copies is None:
         xt = x.transpose(0, 1)
-        for d in range(plan.rows):
-            torch.index_select(xt, 2, feature_index[d], out=send[d])
+        for d in range(lo, hi):
+            torch.index_select(xt, 2, feature_index[d], out=dest[d - lo])
         return
     for c in plan.copies:
-        dst = send[c.first:c.first + c.count, :, :, c.dst:c.dst + c.n].transpose(1, 2)
-        dst.copy_(_rows_view(x, c))
+        r = _restrict(c, lo, hi)
+        if r is not None:
+            a = r.first - lo
+            dest[a:a + r.count, :, :, r.dst:r.dst + r.n].transpose(1, 2).copy_(_rows_view(x, r))
+
+
+def pack(x: torch.Tensor, plan: FeaturePlan, feature_index: torch.Tensor, send: torch.Tensor) -> None:
+    """Fill ``send [P, T_local, B, F_out]`` with ``send[d, t, b, :] = x[b, t, feature_index[d]]``."""
+    pack_rows(x, plan, feature_index, send, 0, plan.rows)
+
+
+def unpack_start(like: torch.Tensor, plan: FeaturePlan, B: int, T: int, F: int) -> torch.Tensor:
+    """The ``[B, T, F]`` gradient buffer that ``unpack_rows`` fills: zero where no row reads a feature
+    (everywhere for a gathered plan, whose ``index_add_`` needs zeros), the rest left to the rows."""
+    if plan.copies is None:
+        return like.new_zeros(B, T, F)
+    out = like.new_empty(B, T, F)
+    for start, stop in plan.uncovered(F):
+        out[..., start:stop].zero_()
+    return out
+
+
+def unpack_rows(out: torch.Tensor, grad: torch.Tensor, plan: FeaturePlan, feature_index: torch.Tensor,
+                lo: int, hi: int, first: int = 0) -> None:
+    """The adjoint of ``pack_rows`` for rows ``[lo, hi)``: ``grad [hi - lo, T_local, B, F_out]`` (only
+    read, any strides) into ``out [B, T_local, F]`` from ``unpack_start``.
+
+    Rows may be written back in any grouping, but in the order row ``first``, then the others
+    ascending: where rows share a feature (``plan.disjoint`` False) the first of them in that order
+    copies and the later ones add (``plan.pieces_from(first)``)."""
+    if plan.copies is None:
+        for d in range(lo, hi):
+            out.index_add_(2, feature_index[d], grad[d - lo].transpose(0, 1))
+        return
+    if plan.disjoint:
+        # no feature is read twice: the copies write disjoint slices of out
+        for c in plan.copies:
+            r = _restrict(c, lo, hi)
+            if r is not None:
+                a = r.first - lo
+                _rows_view(out, r).copy_(grad[a:a + r.count, :, :, r.dst:r.dst + r.n].transpose(1, 2))
+        return
+    for p in plan.pieces_from(first):
+        if lo <= p.row < hi:
+            dst = out[..., p.src:p.src + p.n]
+            src = grad[p.row - lo, :, :, p.dst:p.dst + p.n].transpose(0, 1)
+            if p.accumulate:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
 
 
 def unpack(grad: torch.Tensor, plan: FeaturePlan, feature_index: torch.Tensor, F: int) -> torch.Tensor:
     """The adjoint of ``pack``: ``[B, T_local, F]`` from ``grad [P, T_local, B, F_out]``, summing over
     every (row, position) that read a feature; zero where no row did. ``grad`` is only read."""
     P, T, B, _ = grad.shape
-    if plan.copies is None:
-        out = grad.new_zeros(B, T, F)
-        for d in range(P):
-            out.index_add_(2, feature_index[d], grad[d].transpose(0, 1))
-        return out
-    out = grad.new_empty(B, T, F)
-    for start, stop in plan.uncovered(F):
-        out[..., start:stop].zero_()
-    if plan.disjoint:
-        # no feature is read twice: the copies write disjoint slices of out
-        for c in plan.copies:
-            _rows_view(out, c).copy_(grad[c.first:c.first + c.count, :, :, c.dst:c.dst + c.n].transpose(1, 2))
-        return out
-    for p in plan.pieces:
-        dst = out[..., p.src:p.src + p.n]
-        src = grad[p.row, :, :, p.dst:p.dst + p.n].transpose(0, 1)
-        if p.accumulate:
-            dst.add_(src)
-        else:
-            dst.copy_(src)
+    out = unpack_start(grad, plan, B, T, F)
+    unpack_rows(out, grad, plan, feature_index, 0, P)
     return out
 
 
-__all__ = ["FeaturePlan", "build_plan", "plan_for", "pack", "unpack", "MAX_RUNS_PER_ROW"]
+__all__ = ["FeaturePlan", "build_plan", "plan_for", "pack", "pack_rows", "unpack", "unpack_start", "unpack_rows",
+           "MAX_RUNS_PER_ROW"]

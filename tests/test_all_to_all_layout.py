@@ -1,7 +1,9 @@
 """How the all-to-all pair moves bytes: slice copies instead of a gather, the receive buffer returned as a
-view, and a backward without any accumulating index-put (issue 13: on CUDA that index-put cost 60x the
-collective). Values and gradients are checked against plain indexing in float64, single process and
-over gloo with the layer's own ``_feature_index``."""
+view, a backward without any accumulating index-put (issue 13: on CUDA that index-put cost 60x the
+collective), and the block a rank keeps for itself never entering the exchange (it is copied while the
+peers' blocks are in flight). Values and gradients are checked against plain indexing in float64,
+single process and over gloo with the layer's own ``_feature_index``; what reaches
+``torch.distributed`` is checked with a spy on ``batch_isend_irecv``."""
 from __future__ import annotations
 
 import json
@@ -27,15 +29,33 @@ INDEX_ADD = {"aten.index_add_.default", "aten.index_add.default"}
 
 
 class OpLog(TorchDispatchMode):
-    """Records the name of every aten op dispatched while active (forward and autograd's backward)."""
+    """Records the name of every aten op dispatched while active (forward and autograd's backward), and
+    for each ``copy_`` the number of elements it wrote."""
 
     def __init__(self):
         super().__init__()
         self.ops = []
+        self.written = []          # (position in ops, elements) of each copy_
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) == "aten.copy_.default":
+            self.written.append((len(self.ops), args[0].numel()))
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+    def first_exchange(self):
+        """Position of the first point-to-point op (where the exchange is posted)."""
+        return next(i for i, op in enumerate(self.ops) if op.startswith(("c10d.send", "c10d.recv")))
+
+    def copied(self, start=0, stop=None):
+        """Elements written by copy_ between op positions ``start`` and ``stop``."""
+        stop = len(self.ops) if stop is None else stop
+        return sum(n for at, n in self.written if start <= at < stop)
+
+    def exchange_ops(self):
+        """How many sends and receives ran, and whether any all-to-all collective did."""
+        return (sum(op.startswith("c10d.send") for op in self.ops), sum(op.startswith("c10d.recv") for op in self.ops),
+                any("alltoall" in op for op in self.ops))
 
 
 def _rand(seed, *shape):
@@ -81,6 +101,21 @@ def test_replicated_heads_are_added_where_a_second_rank_received_them():
     # rows 1 and 3 re-send the q and k rows of the head rows 0 and 2 sent first
     assert added == {(1, 0), (1, 6), (3, 3), (3, 9)}
     assert plan.uncovered(F) == []
+
+
+def test_replicated_heads_written_back_own_row_first_copy_there_and_add_in_the_others():
+    # a rank unpacks its own block while the peers' blocks are in flight: that row must copy
+    idx, _ = _head_index(Hk=2, Hv=4, P=4, Dk=3, Dv=2)
+    plan = build_plan(idx)
+    assert plan.pieces_from(0) is plan.pieces
+    added = {(p.row, p.src) for p in plan.pieces_from(1) if p.accumulate}
+    assert added == {(0, 0), (0, 6), (3, 3), (3, 9)}
+    assert {(p.row, p.src) for p in plan.pieces_from(2) if p.accumulate} == {(1, 0), (1, 6), (3, 3), (3, 9)}
+    assert plan.pieces_from(1) is plan.pieces_from(1)                  # cached
+    # every feature is copied exactly once, whichever row goes first
+    for first in range(4):
+        copied = [f for p in plan.pieces_from(first) if not p.accumulate for f in range(p.src, p.src + p.n)]
+        assert sorted(copied) == sorted(set(idx.flatten().tolist()))
 
 
 def test_fragmented_rows_are_gathered_instead():
@@ -181,7 +216,15 @@ def _check_layer_index_parity_and_op_log(rank, P, replicated, B):
     assert torch.equal(cot, cots[rank])                     # the incoming gradient is left as it was
     ops = set(fwd.ops + bwd.ops)
     assert not (INDEX_PUT | GATHER | INDEX_ADD) & ops, sorted(ops)
-    assert any("alltoall" in op for op in fwd.ops) and any("alltoall" in op for op in bwd.ops)
+    # one send and one receive per peer each way, no collective over all P blocks
+    assert fwd.exchange_ops() == bwd.exchange_ops() == (P - 1, P - 1, False)
+    # forward: the peers' (P - 1) / P of the send side packed before the exchange is posted, the own block
+    # after (overlapping it) straight into the output; every element of the output written once
+    at = fwd.first_exchange()
+    assert fwd.copied(0, at) == (P - 1) * out.numel() // P and fwd.copied(at) == out.numel() // P
+    # backward: a contiguous incoming gradient (B == 1) is sent as it is; else its peers' blocks copied
+    at = bwd.first_exchange()
+    assert bwd.copied(0, at) == (0 if B == 1 else (P - 1) * out.numel() // P), bwd.ops
 
 
 def _check_head_to_seq_copies_once_and_leaves_the_gradient(rank, P, B):
@@ -199,15 +242,21 @@ def _check_head_to_seq_copies_once_and_leaves_the_gradient(rank, P, B):
         out.backward(cot)
     torch.testing.assert_close(x.grad, full.grad[..., rank * FL:(rank + 1) * FL], rtol=0, atol=0)
     assert torch.equal(cot, cots[rank])
-    # B == 1: the send side is x itself; each direction copies once (the receive / send side of grad)
-    copies = [op for op in fwd.ops if op in ("aten.copy_.default", "aten.clone.default")]
-    assert len(copies) == (1 if B == 1 else 2), fwd.ops
-    at = next(i for i, op in enumerate(bwd.ops) if "alltoall" in op)
-    assert sum(op == "aten.copy_.default" for op in bwd.ops[:at]) == 1, bwd.ops
-    # the gradient leaves as a view of the receive buffer ([T, B, F_local] order); for B > 1 the leaf's
-    # AccumulateGrad then copies it into x's strides, which is autograd's, not ours
+    assert fwd.exchange_ops() == bwd.exchange_ops() == (P - 1, P - 1, False)
+    assert "aten.clone.default" not in fwd.ops + bwd.ops
+    # forward, B == 1: the peers' blocks of x are sent as they are (B > 1: copied once); after posting,
+    # every output element is written once: the own block while the exchange runs, then the received
+    at = fwd.first_exchange()
+    assert fwd.copied(0, at) == (0 if B == 1 else (P - 1) * x.numel() // P), fwd.ops
+    assert fwd.copied(at) == out.numel(), fwd.ops
+    # backward: the peers' column blocks of the gradient copied once into the send buffer, the own block
+    # into the receive buffer after posting; the gradient leaves as a view of that buffer ([T, B,
+    # F_local] order), so for B == 1 nothing else is copied (for B > 1 the leaf's AccumulateGrad copies
+    # it into x's strides, which is autograd's, not ours)
+    at = bwd.first_exchange()
+    assert bwd.copied(0, at) == (P - 1) * cot.numel() // P, bwd.ops
     if B == 1:
-        assert "aten.copy_.default" not in bwd.ops[at:], bwd.ops
+        assert bwd.copied(at) == cot.numel() // P, bwd.ops
     # a broadcast (stride-0) gradient, as from .sum(), goes through as well
     x2 = x.detach().clone().requires_grad_()
     head_to_seq(x2, dist.group.WORLD).sum().backward()
@@ -233,6 +282,132 @@ def _check_projected_equals_projection_then_seq_to_head(rank, P, replicated, B):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+class P2PSpy:
+    """While active, records every ``dist.batch_isend_irecv`` batch as ``[(kind, group peer, tensor)]``
+    and fails on the all-to-all collectives (which would move the block a rank keeps)."""
+
+    def __enter__(self):
+        self.batches = []
+        self._saved = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_to_all_single", "all_to_all")}
+
+        def spy(ops):
+            self.batches.append([("send" if op.op is dist.isend else "recv", op.group_peer, op.tensor) for op in ops])
+            return self._saved["batch_isend_irecv"](ops)
+
+        def forbidden(*args, **kwargs):
+            raise AssertionError("an all-to-all collective ran")
+
+        dist.batch_isend_irecv, dist.all_to_all_single, dist.all_to_all = spy, forbidden, forbidden
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+    def check_one_batch(self, rank, P, block):
+        """One batch: one send and one receive of ``block`` elements to / from each peer, none to itself.
+        Returns ``{peer: (sent tensor, receive tensor)}``."""
+        assert len(self.batches) == 1, len(self.batches)
+        (ops,) = self.batches
+        peers = {}
+        for kind, peer, t in ops:
+            assert peer != rank and 0 <= peer < P and t.numel() == block and t.is_contiguous()
+            assert kind not in peers.setdefault(peer, {}), (kind, peer)
+            peers[peer][kind] = t
+        assert sorted(peers) == [d for d in range(P) if d != rank] and all(len(v) == 2 for v in peers.values())
+        self.batches.clear()
+        return {d: (v["send"], v["recv"]) for d, v in peers.items()}
+
+
+def _at_block(t, base, d, block):
+    """``t`` starts at block ``d`` of ``base``'s storage (no copy: it is that block itself)."""
+    return (t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            and t.data_ptr() == base.data_ptr() + d * block * base.element_size())
+
+
+def _check_self_block_never_enters_the_exchange(rank, P, B):
+    """What reaches torch.distributed: P - 1 blocks each way, the own block never; where the layout
+    allows, blocks are sent from and received into the caller's tensors without a copy."""
+    idx, F = _layer_index(P, replicated=False)
+    TL, W = 3, idx.shape[1]
+    block = TL * B * W
+    x = _rand(rank, B, TL, F).requires_grad_()
+    with P2PSpy() as spy:
+        out = seq_to_head(x, idx, dist.group.WORLD)
+        for d, (_, r) in spy.check_one_batch(rank, P, block).items():
+            assert _at_block(r, out, d, block)                        # received in place
+        cot = _rand(9 + rank, TL * P, B, W).transpose(0, 1)          # a gradient in the output's layout
+        out.backward(cot)
+        for d, (s, _) in spy.check_one_batch(rank, P, block).items():
+            assert _at_block(s, cot, d, block)                        # sent as it is
+        # head_to_seq: x's blocks of the peers' tokens sent as they are (B == 1 contiguous, or in
+        # seq_to_head's layout), the gradient's received straight into the returned gradient
+        FL = 5
+        y = _rand(20 + rank, B * TL * P * FL)
+        y = (y.view(1, TL * P, FL) if B == 1 else y.view(TL * P, B, FL).transpose(0, 1)).requires_grad_()
+        z = head_to_seq(y, dist.group.WORLD)
+        for d, (s, _) in spy.check_one_batch(rank, P, TL * B * FL).items():
+            assert _at_block(s, y, d, TL * B * FL)
+        (gy,) = torch.autograd.grad(z, y, _rand(30 + rank, *z.shape))
+        for d, (_, r) in spy.check_one_batch(rank, P, TL * B * FL).items():
+            assert _at_block(r, gy, d, TL * B * FL)
+        # project_seq_to_head: the own block is computed into the receive buffer, never sent
+        w = _rand(40, F, 7).requires_grad_()
+        h = _rand(41 + rank, B, TL, 7).requires_grad_()
+        out = project_seq_to_head(h, w, idx, dist.group.WORLD)
+        for d, (_, r) in spy.check_one_batch(rank, P, block).items():
+            assert _at_block(r, out, d, block)
+        out.backward(cot)
+        for d, (s, _) in spy.check_one_batch(rank, P, block).items():
+            assert _at_block(s, cot, d, block)
+        # no tokens: nothing to move, nothing posted
+        e = seq_to_head(x.detach()[:, :0], idx, dist.group.WORLD)
+        assert e.shape == (B, 0, W) and head_to_seq(e, dist.group.WORLD).shape == (B, 0, P * W)
+        assert spy.batches == []
+
+
+def _check_subgroup_ranks_are_group_ranks(rank, P):
+    """In a group whose ranks are not the global ranks ({0, 2} and {1, 3}), every block reaches the
+    group rank it is meant for: values and gradients against the single-process definition."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group, me, Q = groups[rank % 2], rank // 2, 2
+    B, TL, F = 2, 3, 8
+    idx = torch.tensor([[5, 6, 7, 0], [1, 2, 3, 5]])                  # feature 5 goes to both
+    x_full = _rand(1 + rank % 2, B, TL * Q, F).requires_grad_()
+    cots = [_rand(100 + r, B, TL * Q, idx.shape[1]) for r in range(Q)]
+    sum((x_full[..., idx[r]] * cots[r]).sum() for r in range(Q)).backward()
+    x = x_full.detach()[:, me * TL:(me + 1) * TL].clone().requires_grad_()
+    out = seq_to_head(x, idx, group)
+    torch.testing.assert_close(out, x_full.detach()[..., idx[me]], rtol=0, atol=0)
+    out.backward(cots[me])
+    torch.testing.assert_close(x.grad, x_full.grad[:, me * TL:(me + 1) * TL], rtol=1e-12, atol=1e-12)
+    # head_to_seq: the rank's features of every token, back to its tokens with every rank's features
+    full = _rand(3 + rank % 2, B, TL * Q, Q * 4)
+    back = head_to_seq(full[..., me * 4:(me + 1) * 4], group)
+    torch.testing.assert_close(back, full[:, me * TL:(me + 1) * TL], rtol=0, atol=0)
+    w = _rand(5, F, 6)
+    h = _rand(6 + rank, B, TL, 6)
+    torch.testing.assert_close(project_seq_to_head(h, w, idx, group),
+                               seq_to_head(torch.nn.functional.linear(h, w), idx, group), rtol=1e-12, atol=1e-12)
+
+
+def _check_projected_under_autocast_runs_in_its_dtype(rank, P):
+    """Under CPU bf16 autocast with fp32 weights, as the layer runs: bf16 out (as F.linear would give),
+    values as the GEMM in bf16 then seq_to_head, fp32 weight gradient."""
+    idx, F = _layer_index(P, replicated=True)
+    x = _rand(10 + rank, 1, 3, 7).float()
+    w = _rand(20, F, 7).float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = project_seq_to_head(x, w, idx, dist.group.WORLD)
+        ref = seq_to_head(torch.nn.functional.linear(x, w), idx, dist.group.WORLD)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=1.6e-2, atol=1e-2)
+    out.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and w.grad.abs().sum() > 0
+    with pytest.raises(TypeError, match="weight dtype"):
+        project_seq_to_head(x, w.detach().double(), idx, dist.group.WORLD)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
@@ -285,3 +460,18 @@ def test_projected_without_group_and_bad_weight():
         project_seq_to_head(x, w[:, :4], idx, None)
     with pytest.raises(ValueError, match="feature_index must hold indices"):
         project_seq_to_head(x, w[:3], idx, None)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_the_block_a_rank_keeps_never_enters_the_exchange(pool, B):
+    pool.run(_check_self_block_never_enters_the_exchange, B)
+
+
+def test_blocks_reach_group_ranks_in_a_subgroup(pool):
+    if pool.world_size != 4:
+        pytest.skip("needs a group whose ranks differ from the global ranks")
+    pool.run(_check_subgroup_ranks_are_group_ranks)
+
+
+def test_projected_under_bf16_autocast(pool):
+    pool.run(_check_projected_under_autocast_runs_in_its_dtype)

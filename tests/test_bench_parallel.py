@@ -38,11 +38,13 @@ def test_bench_parallel_runs_three_modes_and_counts_the_bytes_each_rank_sends(tm
 
     assert rows["one"]["sent_bytes"] == 0 and rows["one"]["collectives"] == {}
     # sp: seq_to_head sends T/P tokens of [q | k | v | a | b], head_to_seq all T tokens of this rank's
-    # Hv/P value heads (fp32); on CPU one small all-reduce checks that the ranks' inputs agree
+    # Hv/P value heads (fp32), each less the block a rank keeps for itself ((P - 1) / P of it, to the
+    # peers in one point-to-point batch); on CPU one small all-reduce checks that the ranks' inputs agree
     conv_dim = 2 * Hk * D + Hv * D
-    payload = (T // P * (conv_dim + 2 * Hv) + T * Hv // P * D) * 4
+    payload = (T // P * (conv_dim + 2 * Hv) + T * Hv // P * D) * 4 * (P - 1) // P
     assert payload <= rows["sp"]["sent_bytes"] < payload + 1024, rows["sp"]
-    assert rows["sp"]["collectives"]["all_to_all_single"] == 2
+    assert rows["sp"]["collectives"]["batch_isend_irecv"] == 2
+    assert "all_to_all_single" not in rows["sp"]["collectives"]
     # cp: the conv halo (W-1 = 3 tokens of every channel) and one [Hv, Dk, Dk + Dv] fp32 map per rank
     payload = (3 * conv_dim + Hv * D * 2 * D) * 4
     assert payload <= rows["cp"]["sent_bytes"] < payload + 1024, rows["cp"]
