@@ -1,5 +1,9 @@
 """CUDA tensors through the layer and kernels equal the CPU results (run on the GPU machine).
 
+The fp32 comparisons at 1e-5 use ``backend="torch"`` (the oracle on CUDA, TF32 off); the compiled
+backends (fla's kernels use TF32 dots in fp32) are compared against it in bf16 in
+``test_cuda_backends.py``, and here under Ulysses over NCCL.
+
 Marked ``cuda``; skipped where no GPU is present (CI is CPU-only; these ran on the device, see
 docs/finetune.md for the command).
 """
@@ -28,7 +32,7 @@ def test_chunk_kernel_on_cuda_matches_the_float64_recurrence_on_cpu():
     # fp32 on the GPU may use TF32 in matmuls; keep it off to compare at fp32 precision
     torch.backends.cuda.matmul.allow_tf32 = False
     o, s = chunk_gated_delta_rule(*(x.cuda() for x in (q, k, v, g, beta)), cu_seqlens=cu.cuda(),
-                                  output_final_state=True, use_qk_l2norm=True)
+                                  output_final_state=True, use_qk_l2norm=True, backend="torch")
     assert o.is_cuda and rel_err(o, o_ref) <= 1e-5 and rel_err(s, s_ref) <= 1e-5
 
 
@@ -36,7 +40,7 @@ def test_layer_on_cuda_equals_cpu_forward_backward_and_decode():
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     layer = GatedDeltaNet(64, 2, 4, 16, 16)
-    gpu = GatedDeltaNet(64, 2, 4, 16, 16, device="cuda")
+    gpu = GatedDeltaNet(64, 2, 4, 16, 16, device="cuda", backend="torch")
     gpu.load_state_dict(layer.state_dict())
     cu = torch.tensor([0, 70, 130], dtype=torch.int32)
     x = torch.randn(1, 130, 64, requires_grad=True)
@@ -65,7 +69,7 @@ def test_bf16_layer_on_cuda_is_close_to_fp32():
     assert torch.isfinite(y16).all() and rel_err(y16, y) <= 2e-2
 
 
-def _nccl_worker(rank, world, port, validate, out):
+def _nccl_worker(rank, world, port, validate, backend, out):
     import os
 
     import torch.distributed as dist
@@ -77,34 +81,41 @@ def _nccl_worker(rank, world, port, validate, out):
     set_validation(validate)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    ref = GatedDeltaNet(64, 2, 4, 16, 16, device="cuda")
-    layer = GatedDeltaNet(64, 2, 4, 16, 16, sp_group=dist.group.WORLD, device="cuda")
-    layer.load_state_dict(ref.state_dict())
+    # torch: fp32 against one GPU; a compiled backend: bf16 (Dk = Dv = 128: FlashQLA's shapes) against
+    # the fp32 torch reference on one GPU
+    dims = (64, 2, 4, 16, 16) if backend == "torch" else (256, 2, 4, 128, 128)
+    dtype = torch.float32 if backend == "torch" else torch.bfloat16
+    ref = GatedDeltaNet(*dims, device="cuda", backend="torch")
+    with torch.no_grad():
+        ref.A_log.uniform_(-4, -2)                      # slow decay: a wrong hand-off would show
+    layer = GatedDeltaNet(*dims, sp_group=dist.group.WORLD, device="cuda", dtype=dtype, backend=backend)
+    layer.load_state_dict({k: v.to(dtype) for k, v in ref.state_dict().items()})
     cu = torch.tensor([0, 37, 88, 128], device="cuda")
-    x = torch.randn(1, 128, 64, device="cuda")
+    x = torch.randn(1, 128, dims[0], device="cuda")
     y_ref, st_ref = ref(x, cu_seqlens=cu, output_state=True)
     (y_ref.square().sum() + st_ref.recurrent_state.sum()).backward()
-    y, st = layer(shard_sequence(x, dist.group.WORLD), cu_seqlens=cu, output_state=True)
+    y, st = layer(shard_sequence(x.to(dtype), dist.group.WORLD), cu_seqlens=cu, output_state=True)
     # each rank: its tokens' loss plus 1/P of the state term (the full state is on every rank, and its
     # backward is a collective that every rank must join), so the sum over ranks is the loss
-    (y.square().sum() + st.recurrent_state.sum() / world).backward()
+    (y.float().square().sum() + st.recurrent_state.sum() / world).backward()
     reduce_sp_grads(layer, dist.group.WORLD)
     errs = [rel_err(gather_sequence(y.detach(), dist.group.WORLD), y_ref), rel_err(st.recurrent_state, st_ref.recurrent_state)]
     errs += [rel_err(p.grad, q.grad) for p, q in zip(layer.parameters(), ref.parameters())]
-    torch.save(errs, os.path.join(out, f"errs{rank}.pt"))
+    torch.save((layer.resolved_backend, errs), os.path.join(out, f"errs{rank}.pt"))
     dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("validate", [False, True])
-def test_sp2_over_nccl_matches_one_gpu(tmp_path, validate):
+@pytest.mark.parametrize("backend, validate", [("torch", False), ("torch", True), ("auto", False)])
+def test_sp2_over_nccl_matches_one_gpu(tmp_path, backend, validate):
     import socket
 
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_nccl_worker, args=(2, port, validate, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_nccl_worker, args=(2, port, validate, backend, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        errs = torch.load(tmp_path / f"errs{rank}.pt")
-        assert max(errs) <= 1e-5, errs
+        resolved, errs = torch.load(tmp_path / f"errs{rank}.pt")
+        print(f"rank {rank} backend {resolved}: max rel err {max(errs):.2e}")
+        assert max(errs) <= (1e-5 if backend == "torch" else 3e-2), errs
