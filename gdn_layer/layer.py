@@ -391,7 +391,7 @@ class GatedDeltaNet(nn.Module):
         check_no_nan("hidden_states", x, finite=True)
         if state is not None:
             check_state(state, n, self.conv_dim, self.conv_kernel_size, self.num_v_heads,
-                        self.head_k_dim, self.head_v_dim, x.device)
+                        self.head_k_dim, self.head_v_dim, x.device, x.dtype)
             check_no_nan("state.conv_state", state.conv_state, finite=True)
             check_no_nan("state.recurrent_state", state.recurrent_state, finite=True)
         return cu

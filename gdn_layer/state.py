@@ -37,8 +37,11 @@ torch.serialization.add_safe_globals([GDNState])
 
 
 def check_state(state, num_sequences: int, conv_dim: int, kernel_size: int, num_v_heads: int,
-                head_k_dim: int, head_v_dim: int, device: torch.device) -> None:
-    """Raise TypeError / ValueError naming ``state`` unless it fits the layer and the batch."""
+                head_k_dim: int, head_v_dim: int, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Raise TypeError / ValueError naming ``state`` unless it fits the layer and the batch.
+
+    ``dtype`` (the activations' dtype): the state must be float64 with float64 activations, else
+    float32 (whatever the activation dtype: the recurrence accumulates in fp32). None accepts either."""
     if not isinstance(state, GDNState):
         raise TypeError(f"state must be a GDNState, got {type(state).__name__}")
     for name in ("conv_state", "recurrent_state"):
@@ -53,7 +56,11 @@ def check_state(state, num_sequences: int, conv_dim: int, kernel_size: int, num_
         raise ValueError(f"state.recurrent_state must be [N, Hv, Dk, Dv] = {want_rec} "
                          f"(N = number of sequences in this batch), got {tuple(state.recurrent_state.shape)}")
     for name, t in (("conv_state", state.conv_state), ("recurrent_state", state.recurrent_state)):
-        if t.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"state.{name} must be float32, got {t.dtype}")
+        if dtype is None and t.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"state.{name} must be float32 (float64 with float64 activations), got {t.dtype}")
+        want = torch.float64 if dtype == torch.float64 else torch.float32
+        if dtype is not None and t.dtype != want:
+            raise TypeError(f"state.{name} must be {want} with {dtype} activations "
+                            f"(float32 unless the activations are float64), got {t.dtype}")
         if t.device != device:
             raise ValueError(f"state.{name} is on {t.device} but hidden_states is on {device}")

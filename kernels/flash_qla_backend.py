@@ -39,6 +39,8 @@ def _importable(capability: tuple[int, int]) -> tuple[bool, str]:
 
 
 def available(device: torch.device) -> tuple[bool, str]:
+    if torch.device(device).type != "cuda":
+        return False, "FlashQLA's kernels run on CUDA devices only (Hopper SM90 / Blackwell SM100)"
     ok, why = fla_backend.available(device)     # a CUDA device, and fla for the calls FlashQLA cannot run
     return _importable(torch.cuda.get_device_capability(device)) if ok else (ok, why)
 

@@ -180,7 +180,8 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
 
     Returns:
         seconds spent. Parameter ``.grad`` fields are left untouched (gradients are taken with
-        ``torch.autograd.grad``).
+        ``torch.autograd.grad``), and so is the global random state (CPU and the layer's GPU).
+        On CPU (torch backend) nothing is compiled or cached: it only runs the calls once.
 
     Raises:
         ValueError: ``workers`` negative. TypeError: ``workers`` not an int.
@@ -199,8 +200,10 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     # the children build ahead of this process, which runs every call itself (loading what a child has
     # built, building what none has yet); when it is done, children still running have nothing left to add
     children = _start_children(spec, jobs, min(workers, len(jobs))) if workers > 0 and spec is not None else []
+    cuda = [p.device.index if p.device.index is not None else torch.cuda.current_device()] if p.device.type == "cuda" else []
     try:
-        _run_jobs(layer, dtype, jobs)
+        with torch.random.fork_rng(devices=cuda):     # the random inputs do not move the caller's RNG
+            _run_jobs(layer, dtype, jobs)
     finally:
         _finish_children(children, wait=False)
     if p.device.type == "cuda":

@@ -176,3 +176,12 @@ def test_warmup_children_run_their_share_and_a_failing_child_is_only_logged(capl
     with pytest.raises(ValueError, match="workers"):
         warmup(layer, workers=-1)
     assert wmod._spec(layer, torch.float32) is None      # CPU / torch backend: no children
+
+
+def test_warmup_leaves_the_random_state_alone():
+    layer = GatedDeltaNet(32, 1, 2, 8, 8)
+    torch.manual_seed(3)
+    want = torch.randn(4)
+    torch.manual_seed(3)
+    warmup(layer)
+    assert torch.equal(torch.randn(4), want)
