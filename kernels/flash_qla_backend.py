@@ -81,7 +81,11 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     c = _compact(cu)
     h0 = fla_backend._state(initial_state)
     if c is not None and c.keep.numel() == 0:       # no tokens at all: every state passes through
-        return v.new_zeros(v.shape), varlen.expand_states(c, None, h0) if output_final_state else None
+        final = None
+        if output_final_state:                      # zeros when there is no initial state (N rows either way)
+            final = (h0.clone() if h0 is not None
+                     else torch.zeros(c.num_seqs, v.shape[2], q.shape[-1], v.shape[-1], device=v.device))
+        return v.new_zeros(v.shape), final
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     _, _, o, _, final, _ = chunk_gated_delta_rule_fwd(
         qn, kn, v, g, beta, scale=scale, initial_state=h0 if c is None or h0 is None else h0.index_select(0, c.keep),
