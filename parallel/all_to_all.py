@@ -146,13 +146,14 @@ class _HeadToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         P, me = ctx.size, ctx.me
-        B, T_local, _ = grad.shape
-        blocks = grad.unflatten(2, (P, -1)).permute(2, 1, 0, 3)      # [P, T_local, B, F_local], a view
-        back = grad.new_empty(P, T_local, B, blocks.shape[3])        # block s: my features of rank s's tokens
+        B, T_local, F = grad.shape
+        F_local = F // P                 # explicit: a -1 is ambiguous when the gradient has no elements
+        blocks = grad.unflatten(2, (P, F_local)).permute(2, 1, 0, 3)  # [P, T_local, B, F_local], a view
+        back = grad.new_empty(P, T_local, B, F_local)                # block s: my features of rank s's tokens
         works = _post(_peer_blocks(blocks, me), [back[d] for d in _peers(P, me)], me, ctx.group)
         back[me].copy_(blocks[me])                                   # overlaps the exchange
         _wait(works)
-        return back.view(P * T_local, B, -1).transpose(0, 1), None, None, None
+        return back.view(P * T_local, B, F_local).transpose(0, 1), None, None, None
 
 
 def _check_3d(name: str, x) -> None:

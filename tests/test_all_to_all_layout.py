@@ -475,3 +475,32 @@ def test_blocks_reach_group_ranks_in_a_subgroup(pool):
 
 def test_projected_under_bf16_autocast(pool):
     pool.run(_check_projected_under_autocast_runs_in_its_dtype)
+
+
+def _check_zero_sized_blocks_have_zero_sized_gradients(rank, P, B):
+    """No tokens (T_local = 0) or no features (F_local = 0, W = 0, H = 0): nothing is exchanged, and the
+    backward returns zero-sized gradients of the inputs' shapes (a -1 in a view is ambiguous there)."""
+    g = dist.group.WORLD
+    for T_local, FL in ((0, 3), (2, 0), (0, 0)):
+        x = _rand(rank, B, T_local * P, FL).requires_grad_()
+        out = head_to_seq(x, g)
+        assert out.shape == (B, T_local, P * FL)
+        (gx,) = torch.autograd.grad(out, x, torch.ones_like(out))
+        assert gx.shape == x.shape
+        h = _rand(rank, B, T_local, 4).requires_grad_()
+        idx = torch.arange(P * 2).view(P, 2) if FL else torch.zeros(P, 0, dtype=torch.long)
+        y = seq_to_head(torch.cat([h, h], -1), idx, g)
+        assert y.shape == (B, T_local * P, idx.shape[1])
+        (gh,) = torch.autograd.grad(y, h, torch.ones_like(y), allow_unused=True)
+        assert gh is None or gh.shape == h.shape
+        w = _rand(5, 8, 4).requires_grad_()
+        z = project_seq_to_head(h, w, idx, g)
+        assert z.shape == y.shape
+        gh, gw = torch.autograd.grad(z, (h, w), torch.ones_like(z), allow_unused=True)
+        assert gh is None or gh.shape == h.shape
+        assert gw is None or gw.shape == w.shape
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_zero_sized_blocks_have_zero_sized_gradients(pool, B):
+    pool.run(_check_zero_sized_blocks_have_zero_sized_gradients, B)
