@@ -254,11 +254,12 @@ def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: to
         peers' blocks, overlapped with the own block's GEMMs, then the received blocks' (dx summed over
         destinations; dweight accumulated by ``index_select``'s backward, so rows sent to several ranks
         add up). No group (or size 1): one ``torch.bmm`` for the one block. Under ``torch.autocast`` the
-        GEMMs run in its dtype, as ``F.linear`` would.
+        GEMMs run in its dtype, as ``F.linear`` would (float64 operands stay float64, as autocast leaves them).
 
     Raises:
         TypeError / ValueError: as ``seq_to_head``; weight not 2-D ``[F, H]`` matching x's last dim;
-        (TypeError) weight's dtype differs from x's outside autocast.
+        (TypeError) weight's dtype differs from x's outside autocast, or under it one of them is float64
+        and the other not.
     """
     group, size, rank = resolve_sp_group(group)
     _check_3d("x", x)
@@ -269,9 +270,15 @@ def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: to
     plan = _checked_plan(feature_index, size, x.device, weight.shape[0], "F = weight.shape[0]")
     dev = x.device.type
     autocast = dev != "meta" and torch.is_autocast_enabled(dev)
-    if weight.dtype != x.dtype and not autocast:
-        raise TypeError(f"weight dtype {weight.dtype} differs from x's ({x.dtype}); cast one of them, "
-                        "or run under torch.autocast")
+    to = torch.get_autocast_dtype(dev) if autocast else None
+
+    def gemm_dtype(t):
+        # autocast casts F.linear's floating operands to its dtype, all but float64
+        return t.dtype if to is None or t.dtype == torch.float64 or not t.is_floating_point() else to
+
+    if gemm_dtype(weight) != gemm_dtype(x):
+        raise TypeError(f"weight dtype {weight.dtype} differs from x's ({x.dtype}); cast one of them, or run "
+                        + ("both in float64 (autocast leaves float64 alone)" if autocast else "under torch.autocast"))
     B, T_local, H = x.shape
     w = weight.index_select(0, feature_index.flatten()).view(size, plan.width, H)
     rows = x.transpose(0, 1).reshape(T_local * B, H)           # tokens before batch (a view when B == 1)
@@ -280,8 +287,7 @@ def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: to
         return send.view(T_local, B, plan.width).transpose(0, 1)
     if autocast:
         # the GEMMs below write into buffers (out=), which autocast does not cast: cast as it would
-        dtype = torch.get_autocast_dtype(dev)
-        rows, w = rows.to(dtype), w.to(dtype)
+        rows, w = rows.to(gemm_dtype(rows)), w.to(gemm_dtype(w))
     with torch.autocast(dev, enabled=False) if autocast else _nullcontext():
         recv = _ProjectToHead.apply(rows, w, group, rank, T_local, B)
     return recv.view(size * T_local, B, plan.width).transpose(0, 1)

@@ -504,3 +504,29 @@ def _check_zero_sized_blocks_have_zero_sized_gradients(rank, P, B):
 @pytest.mark.parametrize("B", [1, 2])
 def test_zero_sized_blocks_have_zero_sized_gradients(pool, B):
     pool.run(_check_zero_sized_blocks_have_zero_sized_gradients, B)
+
+
+def _check_projected_under_autocast_leaves_float64_as_autocast_does(rank, P):
+    """Autocast never casts float64: float64 x and weight stay float64 (the values of F.linear then
+    seq_to_head, to float64 precision), and float64 next to a cast dtype is a dtype mismatch."""
+    idx, F = _layer_index(P, replicated=False)
+    x = _rand(10 + rank, 2, 3, 7).requires_grad_()
+    w = _rand(20, F, 7).requires_grad_()
+    cot = _rand(30 + rank, 2, 3 * P, idx.shape[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = project_seq_to_head(x, w, idx, dist.group.WORLD)
+        ref = seq_to_head(torch.nn.functional.linear(x, w), idx, dist.group.WORLD)
+    assert out.dtype == ref.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(out, (x, w), cot)
+    want = torch.autograd.grad(ref, (x, w), cot)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for xx, ww in ((x.float(), w), (x, w.float())):
+            with pytest.raises(TypeError, match="weight dtype"):
+                project_seq_to_head(xx, ww, idx, dist.group.WORLD)
+
+
+def test_projected_under_autocast_leaves_float64_alone(pool):
+    pool.run(_check_projected_under_autocast_leaves_float64_as_autocast_does)
