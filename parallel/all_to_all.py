@@ -53,11 +53,16 @@ def _peer_blocks(t: torch.Tensor, me: int) -> list[torch.Tensor]:
 
 def _post(sends, recvs, me: int, group) -> list:
     """Post ``sends[j]`` to and ``recvs[j]`` from the j-th peer (ranks of ``group`` but ``me``, in order)
-    as one batch; returns the works to ``_wait`` on. Nothing is posted for an empty block (every rank
-    has the same shapes, so every rank skips alike)."""
+    as one batch; returns the works to ``_wait`` on. Empty blocks (no tokens or no features) are
+    replaced by one-element placeholders: a rank that skipped the exchange would leave a peer whose
+    shapes differ (it has tokens) waiting for the group's timeout; with a message posted, the mismatch
+    fails at once, as any other (gloo: "Received data size doesn't match expected size")."""
     peers = _peers(len(sends) + 1, me)
-    if not peers or sends[0].numel() == 0:
+    if not peers:
         return []
+    if sends[0].numel() == 0:
+        sends = [sends[0].new_zeros(1) for _ in peers]
+        recvs = [sends[0].new_empty(1) for _ in peers]
     ops = []
     for d, s, r in zip(peers, sends, recvs):
         ops.append(dist.P2POp(dist.irecv, r, group=group, group_peer=d))
@@ -298,7 +303,9 @@ def seq_to_head(x: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Te
 
     Args:
         x: ``[B, T_local, F]``, any dtype the backend moves, any strides; rank i holds tokens
-            ``[i*T_local, (i+1)*T_local)``. Every rank must pass the same shape.
+            ``[i*T_local, (i+1)*T_local)``. Every rank must pass the same shape and dtype: not checked
+            here (the layer does, with ``agree_across_ranks``); a mismatch fails in the exchange (gloo
+            aborts the process), docs/ulysses.md.
         feature_index: int64 ``[P, F_out]`` on ``x.device``; row d lists which of the F features rank d
             receives, in the order it receives them. Rows may overlap (replicated q/k heads); must be
             identical on every rank. Read on the host once per tensor (one device->host copy the first

@@ -362,10 +362,12 @@ def _check_self_block_never_enters_the_exchange(rank, P, B):
         out.backward(cot)
         for d, (s, _) in spy.check_one_batch(rank, P, block).items():
             assert _at_block(s, cot, d, block)
-        # no tokens: nothing to move, nothing posted
+        # no tokens: nothing to move, but a one-element placeholder still meets each peer (a rank whose
+        # shapes differ then fails on the size instead of waiting forever)
         e = seq_to_head(x.detach()[:, :0], idx, dist.group.WORLD)
+        spy.check_one_batch(rank, P, 1)
         assert e.shape == (B, 0, W) and head_to_seq(e, dist.group.WORLD).shape == (B, 0, P * W)
-        assert spy.batches == []
+        spy.check_one_batch(rank, P, 1)
 
 
 def _check_subgroup_ranks_are_group_ranks(rank, P):
@@ -530,3 +532,17 @@ def _check_projected_under_autocast_leaves_float64_as_autocast_does(rank, P):
 
 def test_projected_under_autocast_leaves_float64_alone(pool):
     pool.run(_check_projected_under_autocast_leaves_float64_as_autocast_does)
+
+
+def _rank0_without_tokens(rank, P):
+    x = _rand(rank, 1, 0 if rank == 0 else 3, 2 * P)
+    seq_to_head(x, torch.arange(2 * P).view(P, 2), dist.group.WORLD)
+
+
+def test_a_rank_without_tokens_among_ranks_with_tokens_fails_instead_of_hanging(pool):
+    """A shape disagreement (which the layer rules out with agree_across_ranks first) must not leave
+    ranks waiting: a rank with no tokens still meets its peers, and gloo fails on the size mismatch
+    (it aborts that process: "Received data size doesn't match expected size")."""
+    with pytest.raises(AssertionError) as e:
+        pool.run(_rank0_without_tokens, timeout=60)
+    assert "died without a result" in str(e.value) and "did not finish" not in str(e.value), str(e.value)
