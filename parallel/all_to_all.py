@@ -195,12 +195,16 @@ class _ProjectToHead(torch.autograd.Function):
     and meanwhile ``rows @ w[me]^T`` is computed straight into ``recv[me]`` (never sent nor copied).
     Backward: the peers' gradient blocks go back (no copy when contiguous); meanwhile block ``me``'s
     GEMMs run, then each received block's: ``drows = sum_d g_d @ w[d]``, ``dw[d] = g_d^T @ rows``.
-    Both operands have one dtype (``project_seq_to_head`` casts them as autocast would).
+    The GEMMs run in ``dtype`` (``project_seq_to_head`` picks it as autocast would); the casts happen
+    here so that the backward hands back gradients in the operands' own dtypes: ``drows`` summed over
+    the P destinations in float32 for 16-bit GEMMs and rounded at most once, as autocast's ``F.linear``
+    and the batched GEMM this replaced (a bf16 running sum rounds P times: 1.5x their error).
     """
 
     @staticmethod
-    def forward(ctx, rows, w, group, me, T_local, B):
-        ctx.group, ctx.me = group, me
+    def forward(ctx, rows, w, group, me, T_local, B, dtype):
+        ctx.group, ctx.me, ctx.dtypes = group, me, (rows.dtype, w.dtype)
+        rows, w = rows.to(dtype), w.to(dtype)
         ctx.save_for_backward(rows, w)
         P, W, _ = w.shape
         N = rows.shape[0]
@@ -226,18 +230,25 @@ class _ProjectToHead(torch.autograd.Function):
         want_rows, want_w = ctx.needs_input_grad[:2]
         drows = dw = None
         g = grad[me].reshape(N, W)                                   # overlaps the exchange
+        low = rows.dtype in (torch.float16, torch.bfloat16)
         if want_rows:
             drows = torch.mm(g, w[me])
+            drows = drows.float() if low else drows
         if want_w:
             dw = w.new_empty(P, W, H)
             torch.mm(g.t(), rows, out=dw[me])
         _wait(works)
         for j, d in enumerate(peers):
             if want_rows:
-                drows.addmm_(back[j], w[d])
+                if low:
+                    drows.add_(torch.mm(back[j], w[d]))
+                else:
+                    drows.addmm_(back[j], w[d])
             if want_w:
                 torch.mm(back[j].t(), rows, out=dw[d])
-        return drows, dw, None, None, None, None
+        rows_dtype, w_dtype = ctx.dtypes
+        return (None if drows is None else drows.to(rows_dtype), None if dw is None else dw.to(w_dtype),
+                None, None, None, None, None)
 
 
 def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Tensor:
@@ -290,11 +301,9 @@ def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: to
     if size == 1:
         send = torch.bmm(rows.expand(size, T_local * B, H), w.transpose(1, 2))
         return send.view(T_local, B, plan.width).transpose(0, 1)
-    if autocast:
-        # the GEMMs below write into buffers (out=), which autocast does not cast: cast as it would
-        rows, w = rows.to(gemm_dtype(rows)), w.to(gemm_dtype(w))
+    # the GEMMs write into buffers (out=), which autocast does not cast: the Function casts as it would
     with torch.autocast(dev, enabled=False) if autocast else _nullcontext():
-        recv = _ProjectToHead.apply(rows, w, group, rank, T_local, B)
+        recv = _ProjectToHead.apply(rows, w, group, rank, T_local, B, gemm_dtype(x))
     return recv.view(size * T_local, B, plan.width).transpose(0, 1)
 
 
