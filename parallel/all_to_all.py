@@ -24,6 +24,7 @@ from contextlib import nullcontext as _nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .feature_plan import pack, pack_rows, plan_for, unpack, unpack_rows, unpack_start
 from .groups import resolve_sp_group
@@ -105,6 +106,7 @@ class _SeqToHead(torch.autograd.Function):
         return recv
 
     @staticmethod
+    @once_differentiable         # the exchange is invisible to autograd: a 2nd derivative would miss the peers'
     def backward(ctx, grad):
         (feature_index,) = ctx.saved_tensors
         plan, group, me = ctx.plan, ctx.group, ctx.me
@@ -149,6 +151,7 @@ class _HeadToSeq(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable         # the exchange is invisible to autograd: a 2nd derivative would miss the peers'
     def backward(ctx, grad):
         P, me = ctx.size, ctx.me
         B, T_local, F = grad.shape
@@ -219,6 +222,7 @@ class _ProjectToHead(torch.autograd.Function):
         return recv.view(P, T_local, B, W)
 
     @staticmethod
+    @once_differentiable         # the exchange is invisible to autograd: a 2nd derivative would miss the peers'
     def backward(ctx, grad):
         rows, w = ctx.saved_tensors
         me = ctx.me

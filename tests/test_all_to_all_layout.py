@@ -575,3 +575,20 @@ def test_projected_dx_in_bf16_is_as_accurate_as_the_projection_then_seq_to_head(
     destination (P roundings: 1.2x the error of F.linear's backward at P = 4)."""
     for ref, got in pool.run(_dx_errors_under_bf16_autocast):
         assert got < 1.05 * ref, (got, ref)
+
+
+def _double_backward_raises(rank, P):
+    idx = torch.arange(2 * P).view(P, 2)
+    x = _rand(rank, 1, 2 * P, 2 * P).requires_grad_()
+    w = _rand(7, 2 * P, 2 * P).requires_grad_()
+    for fn in (lambda x: seq_to_head(x, idx, dist.group.WORLD), lambda x: head_to_seq(x, dist.group.WORLD),
+               lambda x: project_seq_to_head(x, w, idx, dist.group.WORLD)):
+        (gx,) = torch.autograd.grad((fn(x) ** 3).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            gx.sum().backward()
+
+
+def test_a_second_derivative_through_the_exchange_raises(pool):
+    """The backward's exchange is not itself recorded by autograd: a second derivative would silently
+    miss every peer's contribution (it did: off by ~10 at P = 4), so it raises instead."""
+    pool.run(_double_backward_raises)
