@@ -46,16 +46,18 @@ def _backend(layer):
 def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
     """The calls that cover every variant: ``(kind, n, initial_state?, output_state?, grad?)`` with kind
     "packed" (n sequences), "dense" (n rows) or "decode" (n sequences of one token)."""
+    cp = getattr(layer, "cp_size", 1)
     combos = ((False, False), (False, True), (True, True), (True, False))
-    if not include_states and getattr(layer, "cp_size", 1) == 1:
+    if not include_states and cp == 1:
         combos = combos[:1]
-    jobs = [(kind, 2, st, out, True) for st, out in combos for kind in ("packed", "dense")]
+    # under CP the layer takes packs only (B == 1); a dense row is one sequence, a pack of one
+    jobs = [(kind, 2, st, out, True) for st, out in combos for kind in ("packed", "dense")[:1 if cp > 1 else 2]]
     # packs of other sequence counts where the backend picks a compiled variant from N (FlashQLA's V block)
     counts = getattr(_backend(layer), "warmup_sequence_counts", None)
     for n in (counts(layer.heads.v_heads_per_rank) if counts else ()):
         if n != 2:
             jobs += [("packed", n, st, out, True) for st, out in combos]
-    if include_decode and include_states and layer.sp_size == 1:   # decode: T = N is not split across ranks
+    if include_decode and include_states and layer.sp_size * cp == 1:   # decode: T = N is not split across ranks
         jobs += [("decode", 3, True, out, grad) for grad in (False, True) for out in (True, False)]
     return jobs
 
@@ -64,7 +66,7 @@ def _run_jobs(layer, dtype, jobs) -> None:
     from gdn_layer.state import GDNState  # the layer's own state type; imported here to keep kernels/ standalone
 
     p = next(layer.parameters())
-    device, P = p.device, layer.sp_size
+    device, P = p.device, layer.sp_size * getattr(layer, "cp_size", 1)    # ranks a pack is sliced over
     params = [q for q in layer.parameters() if q.requires_grad]
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != p.dtype
                 else torch.autocast(device.type, enabled=False))
@@ -163,8 +165,9 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     """Run ``layer`` forward and backward over small inputs that cover every kernel variant.
 
     Args:
-        layer: a ``gdn_layer.GatedDeltaNet`` (under SP every rank of its group must call this too: it
-            runs the layer's collectives).
+        layer: a ``gdn_layer.GatedDeltaNet`` (under SP or CP every rank of its groups must call this
+            too: it runs the layer's collectives, on this rank's slices of packs; with ``cp_group`` only
+            packs, no dense batch and no decode, which CP does not take).
         dtype: activation dtype to build for (default: the layer's parameter dtype); another dtype runs
             under ``torch.autocast`` with it, as mixed-precision training does.
         include_decode: also build the decode path (one token per sequence; it carries states, so only
