@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import subprocess
 import sys
@@ -43,6 +44,30 @@ def _backend(layer):
         return None
 
 
+def _sequence_counts(backend, num_v_heads: int) -> list[int]:
+    """``backend.warmup_sequence_counts(num_v_heads)`` as sorted distinct Python ints (a registered
+    backend's own code: checked here, before any call runs; ints also go to the children as JSON)."""
+    fn = getattr(backend, "warmup_sequence_counts", None)
+    if fn is None:
+        return []
+    got = fn(num_v_heads)
+    what = f"backend {backend.name!r}: warmup_sequence_counts({num_v_heads}) must return positive ints"
+    if isinstance(got, (str, bytes)) or not hasattr(got, "__iter__"):
+        raise TypeError(f"{what}, got {got!r}")
+    counts = set()
+    for n in got:
+        try:
+            if isinstance(n, bool):
+                raise TypeError
+            n = operator.index(n)
+        except TypeError:
+            raise TypeError(f"{what}, got {n!r} ({type(n).__name__}) in {got!r}") from None
+        if n < 1:
+            raise ValueError(f"{what}, got {n} in {got!r}")
+        counts.add(n)
+    return sorted(counts)
+
+
 def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
     """The calls that cover every variant: ``(kind, n, initial_state?, output_state?, grad?)`` with kind
     "packed" (n sequences), "dense" (n rows) or "decode" (n sequences of one token)."""
@@ -53,8 +78,7 @@ def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
     # under CP the layer takes packs only (B == 1); a dense row is one sequence, a pack of one
     jobs = [(kind, 2, st, out, True) for st, out in combos for kind in ("packed", "dense")[:1 if cp > 1 else 2]]
     # packs of other sequence counts where the backend picks a compiled variant from N (FlashQLA's V block)
-    counts = getattr(_backend(layer), "warmup_sequence_counts", None)
-    for n in (counts(layer.heads.v_heads_per_rank) if counts else ()):
+    for n in _sequence_counts(_backend(layer), layer.heads.v_heads_per_rank):
         if n != 2:
             jobs += [("packed", n, st, out, True) for st, out in combos]
     if include_decode and include_states and layer.sp_size * cp == 1:   # decode: T = N is not split across ranks

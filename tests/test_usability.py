@@ -176,3 +176,33 @@ def test_warmup_children_run_their_share_and_a_failing_child_is_only_logged(capl
     with pytest.raises(ValueError, match="workers"):
         warmup(layer, workers=-1)
     assert wmod._spec(layer, torch.float32) is None      # CPU / torch backend: no children
+
+
+def test_warmup_sequence_counts_are_checked_and_each_runs_once():
+    """A registered backend's ``warmup_sequence_counts`` is the user's code: a count that is not a
+    positive int is named before any call runs, and a count listed twice is built once."""
+    seen = []
+    torch_b = registry.backend_by_name("torch")
+
+    def chunk(*args, cu=None, **kw):
+        seen.append(1 if cu is None else cu.numel() - 1)
+        return torch_b.chunk_gated_delta_rule(*args, cu=cu, **kw)
+
+    def layer_with(counts):
+        registry.register_backend(dataclasses.replace(
+            torch_b, name="counts_checked", priority=-5, chunk_gated_delta_rule=chunk,
+            warmup_sequence_counts=lambda hv: counts, dense_as_packed=True))
+        return GatedDeltaNet(32, 1, 2, 8, 8, backend="counts_checked")
+
+    try:
+        for bad, err in [((0,), ValueError), ((3, -1), ValueError), ((1.5,), TypeError), ((True,), TypeError),
+                         (None, TypeError), ("3", TypeError)]:
+            seen.clear()
+            with pytest.raises(err, match=r"counts_checked.*warmup_sequence_counts"):
+                warmup(layer_with(bad), include_states=False)
+            assert seen == []
+        warmup(layer_with([5, 1, 5, 2, torch.tensor(5)]), include_states=False)
+        # packs of 1, 2 and 5 sequences once each, and the dense batch of 2 rows (a pack of 2 as well)
+        assert set(seen) == {1, 2, 5} and seen.count(5) == seen.count(1) and seen.count(2) == 2 * seen.count(1)
+    finally:
+        registry._BACKENDS.pop("counts_checked", None)
