@@ -143,15 +143,30 @@ def _start_children(spec: dict, jobs: list, workers: int) -> list:
     root = os.path.dirname(os.path.dirname(os.path.abspath(gdn_layer.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     children = []
-    for w in range(workers):
-        share = jobs[w::workers]
-        if share:
-            err = tempfile.TemporaryFile(mode="w+")
-            proc = subprocess.Popen([sys.executable, "-m", "gdn_layer.kernels._warmup_child"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL, stderr=err, env=env, text=True)
-            proc.stdin.write(json.dumps({**spec, "jobs": share}))
-            proc.stdin.close()
-            children.append((proc, err))
+    try:
+        for w in range(workers):
+            share = jobs[w::workers]
+            if share:
+                err = tempfile.TemporaryFile(mode="w+")
+                try:
+                    proc = subprocess.Popen([sys.executable, "-m", "gdn_layer.kernels._warmup_child"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, env=env,
+                                            text=True)
+                except BaseException:
+                    err.close()
+                    raise
+                children.append((proc, err))
+                proc.stdin.write(json.dumps({**spec, "jobs": share}))
+                proc.stdin.close()
+    except BaseException as e:
+        # children only build ahead of this process, which runs every call anyway: stop those started
+        # (none is left running behind warmup) and go on without them; an interrupt still propagates
+        _finish_children(children, wait=False)
+        if not isinstance(e, OSError):      # OSError: no interpreter, BrokenPipeError from a dead child
+            raise
+        log.warning("warmup: could not start child processes (%s: %s); building in this process only",
+                    type(e).__name__, e)
+        return []
     return children
 
 

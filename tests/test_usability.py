@@ -206,3 +206,30 @@ def test_warmup_sequence_counts_are_checked_and_each_runs_once():
         assert set(seen) == {1, 2, 5} and seen.count(5) == seen.count(1) and seen.count(2) == 2 * seen.count(1)
     finally:
         registry._BACKENDS.pop("counts_checked", None)
+
+
+def test_warmup_goes_on_in_this_process_when_a_child_cannot_start(monkeypatch, caplog):
+    """Children only build ahead: when one cannot be started (no interpreter at sys.executable, a
+    child dying before it reads its jobs: BrokenPipeError), those already started are stopped, a
+    warning says so, and warmup runs every call in this process."""
+    import importlib
+    import logging
+    import subprocess
+    wmod = importlib.import_module("gdn_layer.kernels.warmup")
+    layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
+    spec = {"args": [32, 1, 2, 8, 8], "kwargs": {"backend": "torch"}, "param_dtype": "float32",
+            "dtype": "float32", "device": "cpu"}
+    real, started = subprocess.Popen, []
+
+    def second_fails(*args, **kwargs):
+        if started:
+            raise OSError("cannot start a second interpreter")
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", second_fails)
+    monkeypatch.setattr(wmod, "_spec", lambda layer, dtype: spec)       # the CUDA-only path, on CPU
+    with caplog.at_level(logging.WARNING, logger="gdn_layer.kernels"):
+        assert warmup(layer, workers=2, include_decode=False) > 0
+    assert len(started) == 1 and started[0].poll() is not None           # the one started was stopped
+    assert [r for r in caplog.records if "could not start" in r.message]
