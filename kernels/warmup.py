@@ -225,14 +225,22 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
         ``torch.autograd.grad``).
 
     Raises:
-        ValueError: ``workers`` negative. TypeError: ``workers`` not an int.
+        ValueError: ``workers`` negative; ``dtype`` neither the parameters' dtype nor (for float32
+        parameters) bfloat16 / float16; a backend's ``warmup_sequence_counts`` not positive.
+        TypeError: ``workers`` not an int; ``dtype`` not a floating-point ``torch.dtype``; a backend's
+        ``warmup_sequence_counts`` not ints.
     """
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
         raise TypeError(f"workers must be an int or None, got {type(workers).__name__}")
     if workers is not None and workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
     p = next(layer.parameters())
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
     dtype = dtype or p.dtype
+    if dtype != p.dtype and not (p.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"dtype {dtype} cannot run a layer with {p.dtype} parameters: pass {p.dtype}, or "
+                         "bfloat16 / float16 for a float32 layer (it then runs under torch.autocast)")
     t0 = time.perf_counter()
     jobs = _jobs(layer, include_decode, include_states)
     spec = _spec(layer, dtype)
@@ -242,7 +250,8 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     # built, building what none has yet); when it is done, children still running have nothing left to add
     children = _start_children(spec, jobs, min(workers, len(jobs))) if workers > 0 and spec is not None else []
     try:
-        _run_jobs(layer, dtype, jobs)
+        with torch.inference_mode(False):     # the backward is part of what is built, also when serving
+            _run_jobs(layer, dtype, jobs)
     finally:
         _finish_children(children, wait=False)
     if p.device.type == "cuda":

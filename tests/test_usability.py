@@ -233,3 +233,16 @@ def test_warmup_goes_on_in_this_process_when_a_child_cannot_start(monkeypatch, c
         assert warmup(layer, workers=2, include_decode=False) > 0
     assert len(started) == 1 and started[0].poll() is not None           # the one started was stopped
     assert [r for r in caplog.records if "could not start" in r.message]
+
+
+def test_warmup_names_a_dtype_the_layer_cannot_run_and_runs_under_inference_mode():
+    layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
+    for bad in (torch.int32, "bf16"):
+        with pytest.raises(TypeError, match="dtype"):
+            warmup(layer, dtype=bad)
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        warmup(layer, dtype=torch.float64)             # autocast has no float64; the layer takes fp32
+    with pytest.raises(ValueError, match="dtype torch.float32"):
+        warmup(GatedDeltaNet(32, 1, 2, 8, 8, backend="torch", dtype=torch.bfloat16), dtype=torch.float32)
+    with torch.inference_mode():                       # a serving process: the backward is built too
+        assert warmup(layer, include_decode=False) > 0
