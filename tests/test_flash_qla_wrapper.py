@@ -136,3 +136,21 @@ def test_a_pack_of_only_empty_segments_returns_every_state(monkeypatch, cu, with
         else:
             torch.testing.assert_close(grads[5], torch.zeros_like(h0) if dfin is None else dfin, rtol=0, atol=0)
     assert calls == []
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_a_dense_batch_without_tokens_does_not_reach_flash_qla(monkeypatch, with_state):
+    """Dense ``[B, 0]`` (the op hands a token-less dense call on as it is, not as a pack) is B empty
+    sequences, the case FlashQLA returned NaN for inside a pack: it is not called, the states pass."""
+    calls = []
+    _fake_flash_qla(monkeypatch, calls)
+    xs, h0, _ = _inputs([0, 0, 0, 0], with_state, seed=5)
+    xs = tuple(x.expand(3, *x.shape[1:]) for x in xs)          # B = 3 rows of T = 0
+    o, s = flash_qla_backend.chunk_fwd(*xs, initial_state=h0, output_final_state=True, cu=None)
+    assert o.shape == xs[2].shape and s.shape == (3, 4, 128, 128)
+    torch.testing.assert_close(s, torch.zeros_like(s) if h0 is None else h0, rtol=0, atol=0)
+    dfinal = torch.randn(3, 4, 128, 128, generator=torch.Generator().manual_seed(2))
+    grads = flash_qla_backend.chunk_bwd(torch.zeros_like(xs[2]), dfinal, *xs, initial_state=h0, cu=None)
+    assert all(gr.shape == x.shape for gr, x in zip(grads[:5], xs))
+    assert grads[5] is None if h0 is None else torch.equal(grads[5], dfinal)
+    assert calls == []
