@@ -80,10 +80,17 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         _fallback(why)
         return fla_backend.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu, use_qk_l2norm)
     from flash_qla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-    c = _compact(cu)
     h0 = fla_backend._state(initial_state)
-    if c is not None and c.keep.numel() == 0:       # no tokens at all: every state passes through
-        return v.new_zeros(v.shape), varlen.expand_states(c, None, h0) if output_final_state else None
+    if q.shape[1] == 0:
+        # no tokens at all (a pack of empty segments, or a dense [B, 0] batch, which the op hands on
+        # unpacked): FlashQLA is not called, every state passes through (zeros without one, N rows)
+        final = None
+        if output_final_state:
+            n = q.shape[0] if cu is None else cu.numel() - 1
+            final = h0.clone() if h0 is not None else torch.zeros(n, v.shape[2], q.shape[-1], v.shape[-1],
+                                                                  device=v.device)
+        return v.new_zeros(v.shape), final
+    c = _compact(cu)
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     _, _, o, _, final, _ = chunk_gated_delta_rule_fwd(
         qn, kn, v, g, beta, scale=scale, initial_state=h0 if c is None or h0 is None else h0.index_select(0, c.keep),
@@ -97,14 +104,14 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
     if eligible(q, k, v):
         return fla_backend.chunk_bwd(do, dfinal, q, k, v, g, beta, scale, initial_state, cu, use_qk_l2norm)
     from flash_qla.ops.gated_delta_rule import chunk as qla
-    c = _compact(cu)
     h0 = fla_backend._state(initial_state)
     dht = None if dfinal is None else dfinal.float().contiguous()
+    if q.shape[1] == 0:                             # no tokens (as chunk_fwd): d initial = d final
+        dh0 = None if h0 is None else (dht.clone() if dht is not None else torch.zeros_like(h0))
+        return (*(torch.zeros_like(t) for t in (q, k, v, g, beta)), dh0)
+    c = _compact(cu)
     dht_kept = dht
     if c is not None:
-        if c.keep.numel() == 0:                     # no tokens: d initial = d final
-            dh0 = None if h0 is None else (dht.clone() if dht is not None else torch.zeros_like(h0))
-            return (*(torch.zeros_like(t) for t in (q, k, v, g, beta)), dh0)
         cu = c.cu
         h0 = None if h0 is None else h0.index_select(0, c.keep)
         dht_kept = None if dht is None else dht.index_select(0, c.keep)

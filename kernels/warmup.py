@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import subprocess
 import sys
@@ -43,19 +44,44 @@ def _backend(layer):
         return None
 
 
+def _sequence_counts(backend, num_v_heads: int) -> list[int]:
+    """``backend.warmup_sequence_counts(num_v_heads)`` as sorted distinct Python ints (a registered
+    backend's own code: checked here, before any call runs; ints also go to the children as JSON)."""
+    fn = getattr(backend, "warmup_sequence_counts", None)
+    if fn is None:
+        return []
+    got = fn(num_v_heads)
+    what = f"backend {backend.name!r}: warmup_sequence_counts({num_v_heads}) must return positive ints"
+    if isinstance(got, (str, bytes)) or not hasattr(got, "__iter__"):
+        raise TypeError(f"{what}, got {got!r}")
+    counts = set()
+    for n in got:
+        try:
+            if isinstance(n, bool):
+                raise TypeError
+            n = operator.index(n)
+        except TypeError:
+            raise TypeError(f"{what}, got {n!r} ({type(n).__name__}) in {got!r}") from None
+        if n < 1:
+            raise ValueError(f"{what}, got {n} in {got!r}")
+        counts.add(n)
+    return sorted(counts)
+
+
 def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
     """The calls that cover every variant: ``(kind, n, initial_state?, output_state?, grad?)`` with kind
     "packed" (n sequences), "dense" (n rows) or "decode" (n sequences of one token)."""
+    cp = getattr(layer, "cp_size", 1)
     combos = ((False, False), (False, True), (True, True), (True, False))
-    if not include_states and getattr(layer, "cp_size", 1) == 1:
+    if not include_states and cp == 1:
         combos = combos[:1]
-    jobs = [(kind, 2, st, out, True) for st, out in combos for kind in ("packed", "dense")]
+    # under CP the layer takes packs only (B == 1); a dense row is one sequence, a pack of one
+    jobs = [(kind, 2, st, out, True) for st, out in combos for kind in ("packed", "dense")[:1 if cp > 1 else 2]]
     # packs of other sequence counts where the backend picks a compiled variant from N (FlashQLA's V block)
-    counts = getattr(_backend(layer), "warmup_sequence_counts", None)
-    for n in (counts(layer.heads.v_heads_per_rank) if counts else ()):
+    for n in _sequence_counts(_backend(layer), layer.heads.v_heads_per_rank):
         if n != 2:
             jobs += [("packed", n, st, out, True) for st, out in combos]
-    if include_decode and include_states and layer.sp_size == 1:   # decode: T = N is not split across ranks
+    if include_decode and include_states and layer.sp_size * cp == 1:   # decode: T = N is not split across ranks
         jobs += [("decode", 3, True, out, grad) for grad in (False, True) for out in (True, False)]
     return jobs
 
@@ -64,7 +90,7 @@ def _run_jobs(layer, dtype, jobs) -> None:
     from gdn_layer.state import GDNState  # the layer's own state type; imported here to keep kernels/ standalone
 
     p = next(layer.parameters())
-    device, P = p.device, layer.sp_size
+    device, P = p.device, layer.sp_size * getattr(layer, "cp_size", 1)    # ranks a pack is sliced over
     params = [q for q in layer.parameters() if q.requires_grad]
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != p.dtype
                 else torch.autocast(device.type, enabled=False))
@@ -117,15 +143,30 @@ def _start_children(spec: dict, jobs: list, workers: int) -> list:
     root = os.path.dirname(os.path.dirname(os.path.abspath(gdn_layer.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     children = []
-    for w in range(workers):
-        share = jobs[w::workers]
-        if share:
-            err = tempfile.TemporaryFile(mode="w+")
-            proc = subprocess.Popen([sys.executable, "-m", "gdn_layer.kernels._warmup_child"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL, stderr=err, env=env, text=True)
-            proc.stdin.write(json.dumps({**spec, "jobs": share}))
-            proc.stdin.close()
-            children.append((proc, err))
+    try:
+        for w in range(workers):
+            share = jobs[w::workers]
+            if share:
+                err = tempfile.TemporaryFile(mode="w+")
+                try:
+                    proc = subprocess.Popen([sys.executable, "-m", "gdn_layer.kernels._warmup_child"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, env=env,
+                                            text=True)
+                except BaseException:
+                    err.close()
+                    raise
+                children.append((proc, err))
+                proc.stdin.write(json.dumps({**spec, "jobs": share}))
+                proc.stdin.close()
+    except BaseException as e:
+        # children only build ahead of this process, which runs every call anyway: stop those started
+        # (none is left running behind warmup) and go on without them; an interrupt still propagates
+        _finish_children(children, wait=False)
+        if not isinstance(e, OSError):      # OSError: no interpreter, BrokenPipeError from a dead child
+            raise
+        log.warning("warmup: could not start child processes (%s: %s); building in this process only",
+                    type(e).__name__, e)
+        return []
     return children
 
 
@@ -163,8 +204,9 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     """Run ``layer`` forward and backward over small inputs that cover every kernel variant.
 
     Args:
-        layer: a ``gdn_layer.GatedDeltaNet`` (under SP every rank of its group must call this too: it
-            runs the layer's collectives).
+        layer: a ``gdn_layer.GatedDeltaNet`` (under SP or CP every rank of its groups must call this
+            too: it runs the layer's collectives, on this rank's slices of packs; with ``cp_group`` only
+            packs, no dense batch and no decode, which CP does not take).
         dtype: activation dtype to build for (default: the layer's parameter dtype); another dtype runs
             under ``torch.autocast`` with it, as mixed-precision training does.
         include_decode: also build the decode path (one token per sequence; it carries states, so only
@@ -184,14 +226,22 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
         On CPU (torch backend) nothing is compiled or cached: it only runs the calls once.
 
     Raises:
-        ValueError: ``workers`` negative. TypeError: ``workers`` not an int.
+        ValueError: ``workers`` negative; ``dtype`` neither the parameters' dtype nor (for float32
+        parameters) bfloat16 / float16; a backend's ``warmup_sequence_counts`` not positive.
+        TypeError: ``workers`` not an int; ``dtype`` not a floating-point ``torch.dtype``; a backend's
+        ``warmup_sequence_counts`` not ints.
     """
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
         raise TypeError(f"workers must be an int or None, got {type(workers).__name__}")
     if workers is not None and workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
     p = next(layer.parameters())
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
     dtype = dtype or p.dtype
+    if dtype != p.dtype and not (p.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"dtype {dtype} cannot run a layer with {p.dtype} parameters: pass {p.dtype}, or "
+                         "bfloat16 / float16 for a float32 layer (it then runs under torch.autocast)")
     t0 = time.perf_counter()
     jobs = _jobs(layer, include_decode, include_states)
     spec = _spec(layer, dtype)
@@ -202,7 +252,9 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     children = _start_children(spec, jobs, min(workers, len(jobs))) if workers > 0 and spec is not None else []
     cuda = [p.device.index if p.device.index is not None else torch.cuda.current_device()] if p.device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=cuda):     # the random inputs do not move the caller's RNG
+        # the random inputs do not move the caller's RNG; the backward is part of what is built, also
+        # when serving under inference_mode
+        with torch.random.fork_rng(devices=cuda), torch.inference_mode(False):
             _run_jobs(layer, dtype, jobs)
     finally:
         _finish_children(children, wait=False)

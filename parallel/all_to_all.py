@@ -24,6 +24,7 @@ from contextlib import nullcontext as _nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .feature_plan import pack, pack_rows, plan_for, unpack, unpack_rows, unpack_start
 from .groups import resolve_sp_group
@@ -53,11 +54,16 @@ def _peer_blocks(t: torch.Tensor, me: int) -> list[torch.Tensor]:
 
 def _post(sends, recvs, me: int, group) -> list:
     """Post ``sends[j]`` to and ``recvs[j]`` from the j-th peer (ranks of ``group`` but ``me``, in order)
-    as one batch; returns the works to ``_wait`` on. Nothing is posted for an empty block (every rank
-    has the same shapes, so every rank skips alike)."""
+    as one batch; returns the works to ``_wait`` on. Empty blocks (no tokens or no features) are
+    replaced by one-element placeholders: a rank that skipped the exchange would leave a peer whose
+    shapes differ (it has tokens) waiting for the group's timeout; with a message posted, the mismatch
+    fails at once, as any other (gloo: "Received data size doesn't match expected size")."""
     peers = _peers(len(sends) + 1, me)
-    if not peers or sends[0].numel() == 0:
+    if not peers:
         return []
+    if sends[0].numel() == 0:
+        sends = [sends[0].new_zeros(1) for _ in peers]
+        recvs = [sends[0].new_empty(1) for _ in peers]
     ops = []
     for d, s, r in zip(peers, sends, recvs):
         ops.append(dist.P2POp(dist.irecv, r, group=group, group_peer=d))
@@ -100,6 +106,7 @@ class _SeqToHead(torch.autograd.Function):
         return recv
 
     @staticmethod
+    @once_differentiable         # the exchange is invisible to autograd: a 2nd derivative would miss the peers'
     def backward(ctx, grad):
         (feature_index,) = ctx.saved_tensors
         plan, group, me = ctx.plan, ctx.group, ctx.me
@@ -144,15 +151,17 @@ class _HeadToSeq(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable         # the exchange is invisible to autograd: a 2nd derivative would miss the peers'
     def backward(ctx, grad):
         P, me = ctx.size, ctx.me
-        B, T_local, _ = grad.shape
-        blocks = grad.unflatten(2, (P, -1)).permute(2, 1, 0, 3)      # [P, T_local, B, F_local], a view
-        back = grad.new_empty(P, T_local, B, blocks.shape[3])        # block s: my features of rank s's tokens
+        B, T_local, F = grad.shape
+        F_local = F // P                 # explicit: a -1 is ambiguous when the gradient has no elements
+        blocks = grad.unflatten(2, (P, F_local)).permute(2, 1, 0, 3)  # [P, T_local, B, F_local], a view
+        back = grad.new_empty(P, T_local, B, F_local)                # block s: my features of rank s's tokens
         works = _post(_peer_blocks(blocks, me), [back[d] for d in _peers(P, me)], me, ctx.group)
         back[me].copy_(blocks[me])                                   # overlaps the exchange
         _wait(works)
-        return back.view(P * T_local, B, -1).transpose(0, 1), None, None, None
+        return back.view(P * T_local, B, F_local).transpose(0, 1), None, None, None
 
 
 def _check_3d(name: str, x) -> None:
@@ -189,12 +198,16 @@ class _ProjectToHead(torch.autograd.Function):
     and meanwhile ``rows @ w[me]^T`` is computed straight into ``recv[me]`` (never sent nor copied).
     Backward: the peers' gradient blocks go back (no copy when contiguous); meanwhile block ``me``'s
     GEMMs run, then each received block's: ``drows = sum_d g_d @ w[d]``, ``dw[d] = g_d^T @ rows``.
-    Both operands have one dtype (``project_seq_to_head`` casts them as autocast would).
+    The GEMMs run in ``dtype`` (``project_seq_to_head`` picks it as autocast would); the casts happen
+    here so that the backward hands back gradients in the operands' own dtypes: ``drows`` summed over
+    the P destinations in float32 for 16-bit GEMMs and rounded at most once, as autocast's ``F.linear``
+    and the batched GEMM this replaced (a bf16 running sum rounds P times: 1.5x their error).
     """
 
     @staticmethod
-    def forward(ctx, rows, w, group, me, T_local, B):
-        ctx.group, ctx.me = group, me
+    def forward(ctx, rows, w, group, me, T_local, B, dtype):
+        ctx.group, ctx.me, ctx.dtypes = group, me, (rows.dtype, w.dtype)
+        rows, w = rows.to(dtype), w.to(dtype)
         ctx.save_for_backward(rows, w)
         P, W, _ = w.shape
         N = rows.shape[0]
@@ -209,6 +222,7 @@ class _ProjectToHead(torch.autograd.Function):
         return recv.view(P, T_local, B, W)
 
     @staticmethod
+    @once_differentiable         # the exchange is invisible to autograd: a 2nd derivative would miss the peers'
     def backward(ctx, grad):
         rows, w = ctx.saved_tensors
         me = ctx.me
@@ -220,18 +234,25 @@ class _ProjectToHead(torch.autograd.Function):
         want_rows, want_w = ctx.needs_input_grad[:2]
         drows = dw = None
         g = grad[me].reshape(N, W)                                   # overlaps the exchange
+        low = rows.dtype in (torch.float16, torch.bfloat16)
         if want_rows:
             drows = torch.mm(g, w[me])
+            drows = drows.float() if low else drows
         if want_w:
             dw = w.new_empty(P, W, H)
             torch.mm(g.t(), rows, out=dw[me])
         _wait(works)
         for j, d in enumerate(peers):
             if want_rows:
-                drows.addmm_(back[j], w[d])
+                if low:
+                    drows.add_(torch.mm(back[j], w[d]))
+                else:
+                    drows.addmm_(back[j], w[d])
             if want_w:
                 torch.mm(back[j].t(), rows, out=dw[d])
-        return drows, dw, None, None, None, None
+        rows_dtype, w_dtype = ctx.dtypes
+        return (None if drows is None else drows.to(rows_dtype), None if dw is None else dw.to(w_dtype),
+                None, None, None, None, None)
 
 
 def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Tensor:
@@ -253,11 +274,12 @@ def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: to
         peers' blocks, overlapped with the own block's GEMMs, then the received blocks' (dx summed over
         destinations; dweight accumulated by ``index_select``'s backward, so rows sent to several ranks
         add up). No group (or size 1): one ``torch.bmm`` for the one block. Under ``torch.autocast`` the
-        GEMMs run in its dtype, as ``F.linear`` would.
+        GEMMs run in its dtype, as ``F.linear`` would (float64 operands stay float64, as autocast leaves them).
 
     Raises:
         TypeError / ValueError: as ``seq_to_head``; weight not 2-D ``[F, H]`` matching x's last dim;
-        (TypeError) weight's dtype differs from x's outside autocast.
+        (TypeError) weight's dtype differs from x's outside autocast, or under it one of them is float64
+        and the other not.
     """
     group, size, rank = resolve_sp_group(group)
     _check_3d("x", x)
@@ -268,21 +290,24 @@ def project_seq_to_head(x: torch.Tensor, weight: torch.Tensor, feature_index: to
     plan = _checked_plan(feature_index, size, x.device, weight.shape[0], "F = weight.shape[0]")
     dev = x.device.type
     autocast = dev != "meta" and torch.is_autocast_enabled(dev)
-    if weight.dtype != x.dtype and not autocast:
-        raise TypeError(f"weight dtype {weight.dtype} differs from x's ({x.dtype}); cast one of them, "
-                        "or run under torch.autocast")
+    to = torch.get_autocast_dtype(dev) if autocast else None
+
+    def gemm_dtype(t):
+        # autocast casts F.linear's floating operands to its dtype, all but float64
+        return t.dtype if to is None or t.dtype == torch.float64 or not t.is_floating_point() else to
+
+    if gemm_dtype(weight) != gemm_dtype(x):
+        raise TypeError(f"weight dtype {weight.dtype} differs from x's ({x.dtype}); cast one of them, or run "
+                        + ("both in float64 (autocast leaves float64 alone)" if autocast else "under torch.autocast"))
     B, T_local, H = x.shape
     w = weight.index_select(0, feature_index.flatten()).view(size, plan.width, H)
     rows = x.transpose(0, 1).reshape(T_local * B, H)           # tokens before batch (a view when B == 1)
     if size == 1:
         send = torch.bmm(rows.expand(size, T_local * B, H), w.transpose(1, 2))
         return send.view(T_local, B, plan.width).transpose(0, 1)
-    if autocast:
-        # the GEMMs below write into buffers (out=), which autocast does not cast: cast as it would
-        dtype = torch.get_autocast_dtype(dev)
-        rows, w = rows.to(dtype), w.to(dtype)
+    # the GEMMs write into buffers (out=), which autocast does not cast: the Function casts as it would
     with torch.autocast(dev, enabled=False) if autocast else _nullcontext():
-        recv = _ProjectToHead.apply(rows, w, group, rank, T_local, B)
+        recv = _ProjectToHead.apply(rows, w, group, rank, T_local, B, gemm_dtype(x))
     return recv.view(size * T_local, B, plan.width).transpose(0, 1)
 
 
@@ -291,7 +316,9 @@ def seq_to_head(x: torch.Tensor, feature_index: torch.Tensor, group) -> torch.Te
 
     Args:
         x: ``[B, T_local, F]``, any dtype the backend moves, any strides; rank i holds tokens
-            ``[i*T_local, (i+1)*T_local)``. Every rank must pass the same shape.
+            ``[i*T_local, (i+1)*T_local)``. Every rank must pass the same shape and dtype: not checked
+            here (the layer does, with ``agree_across_ranks``); a mismatch fails in the exchange (gloo
+            aborts the process), docs/ulysses.md.
         feature_index: int64 ``[P, F_out]`` on ``x.device``; row d lists which of the F features rank d
             receives, in the order it receives them. Rows may overlap (replicated q/k heads); must be
             identical on every rank. Read on the host once per tensor (one device->host copy the first

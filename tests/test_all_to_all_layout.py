@@ -362,10 +362,12 @@ def _check_self_block_never_enters_the_exchange(rank, P, B):
         out.backward(cot)
         for d, (s, _) in spy.check_one_batch(rank, P, block).items():
             assert _at_block(s, cot, d, block)
-        # no tokens: nothing to move, nothing posted
+        # no tokens: nothing to move, but a one-element placeholder still meets each peer (a rank whose
+        # shapes differ then fails on the size instead of waiting forever)
         e = seq_to_head(x.detach()[:, :0], idx, dist.group.WORLD)
+        spy.check_one_batch(rank, P, 1)
         assert e.shape == (B, 0, W) and head_to_seq(e, dist.group.WORLD).shape == (B, 0, P * W)
-        assert spy.batches == []
+        spy.check_one_batch(rank, P, 1)
 
 
 def _check_subgroup_ranks_are_group_ranks(rank, P):
@@ -475,3 +477,118 @@ def test_blocks_reach_group_ranks_in_a_subgroup(pool):
 
 def test_projected_under_bf16_autocast(pool):
     pool.run(_check_projected_under_autocast_runs_in_its_dtype)
+
+
+def _check_zero_sized_blocks_have_zero_sized_gradients(rank, P, B):
+    """No tokens (T_local = 0) or no features (F_local = 0, W = 0, H = 0): nothing is exchanged, and the
+    backward returns zero-sized gradients of the inputs' shapes (a -1 in a view is ambiguous there)."""
+    g = dist.group.WORLD
+    for T_local, FL in ((0, 3), (2, 0), (0, 0)):
+        x = _rand(rank, B, T_local * P, FL).requires_grad_()
+        out = head_to_seq(x, g)
+        assert out.shape == (B, T_local, P * FL)
+        (gx,) = torch.autograd.grad(out, x, torch.ones_like(out))
+        assert gx.shape == x.shape
+        h = _rand(rank, B, T_local, 4).requires_grad_()
+        idx = torch.arange(P * 2).view(P, 2) if FL else torch.zeros(P, 0, dtype=torch.long)
+        y = seq_to_head(torch.cat([h, h], -1), idx, g)
+        assert y.shape == (B, T_local * P, idx.shape[1])
+        (gh,) = torch.autograd.grad(y, h, torch.ones_like(y), allow_unused=True)
+        assert gh is None or gh.shape == h.shape
+        w = _rand(5, 8, 4).requires_grad_()
+        z = project_seq_to_head(h, w, idx, g)
+        assert z.shape == y.shape
+        gh, gw = torch.autograd.grad(z, (h, w), torch.ones_like(z), allow_unused=True)
+        assert gh is None or gh.shape == h.shape
+        assert gw is None or gw.shape == w.shape
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_zero_sized_blocks_have_zero_sized_gradients(pool, B):
+    pool.run(_check_zero_sized_blocks_have_zero_sized_gradients, B)
+
+
+def _check_projected_under_autocast_leaves_float64_as_autocast_does(rank, P):
+    """Autocast never casts float64: float64 x and weight stay float64 (the values of F.linear then
+    seq_to_head, to float64 precision), and float64 next to a cast dtype is a dtype mismatch."""
+    idx, F = _layer_index(P, replicated=False)
+    x = _rand(10 + rank, 2, 3, 7).requires_grad_()
+    w = _rand(20, F, 7).requires_grad_()
+    cot = _rand(30 + rank, 2, 3 * P, idx.shape[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = project_seq_to_head(x, w, idx, dist.group.WORLD)
+        ref = seq_to_head(torch.nn.functional.linear(x, w), idx, dist.group.WORLD)
+    assert out.dtype == ref.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(out, (x, w), cot)
+    want = torch.autograd.grad(ref, (x, w), cot)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for xx, ww in ((x.float(), w), (x, w.float())):
+            with pytest.raises(TypeError, match="weight dtype"):
+                project_seq_to_head(xx, ww, idx, dist.group.WORLD)
+
+
+def test_projected_under_autocast_leaves_float64_alone(pool):
+    pool.run(_check_projected_under_autocast_leaves_float64_as_autocast_does)
+
+
+def _rank0_without_tokens(rank, P):
+    x = _rand(rank, 1, 0 if rank == 0 else 3, 2 * P)
+    seq_to_head(x, torch.arange(2 * P).view(P, 2), dist.group.WORLD)
+
+
+def test_a_rank_without_tokens_among_ranks_with_tokens_fails_instead_of_hanging(pool):
+    """A shape disagreement (which the layer rules out with agree_across_ranks first) must not leave
+    ranks waiting: a rank with no tokens still meets its peers, and gloo fails on the size mismatch
+    (it aborts that process: "Received data size doesn't match expected size")."""
+    with pytest.raises(AssertionError) as e:
+        pool.run(_rank0_without_tokens, timeout=60)
+    assert "died without a result" in str(e.value) and "did not finish" not in str(e.value), str(e.value)
+
+
+def _dx_errors_under_bf16_autocast(rank, P):
+    """Relative error of dx against float64, under CPU bf16 autocast: projection then seq_to_head, and
+    project_seq_to_head (whose dx sums one GEMM per destination rank)."""
+    gen = torch.Generator().manual_seed(0)
+    B, TL, H, W = 2, 64, 128, 48
+    idx = torch.arange(P * W).view(P, W)
+    xs = [torch.randn(B, TL, H, generator=gen, dtype=torch.float64) for _ in range(P)]
+    w = torch.randn(P * W, H, generator=gen, dtype=torch.float64) / H ** 0.5
+    cots = [torch.randn(B, TL * P, W, generator=gen, dtype=torch.float64) for _ in range(P)]
+    xt = xs[rank].clone().requires_grad_()
+    (truth,) = torch.autograd.grad(seq_to_head(xt @ w.t(), idx, dist.group.WORLD), xt, cots[rank])
+    errs = []
+    for fn in (lambda x, w: seq_to_head(torch.nn.functional.linear(x, w), idx, dist.group.WORLD),
+               lambda x, w: project_seq_to_head(x, w, idx, dist.group.WORLD)):
+        x = xs[rank].detach().float().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x, w.float())
+        (gx,) = torch.autograd.grad(out, x, cots[rank].to(out.dtype))
+        errs.append(float((gx.double() - truth).norm() / truth.norm()))
+    return errs
+
+
+def test_projected_dx_in_bf16_is_as_accurate_as_the_projection_then_seq_to_head(pool):
+    """dx = sum over destinations of g_d @ W_d: summed in float32, not rounded to bf16 after each
+    destination (P roundings: 1.2x the error of F.linear's backward at P = 4)."""
+    for ref, got in pool.run(_dx_errors_under_bf16_autocast):
+        assert got < 1.05 * ref, (got, ref)
+
+
+def _double_backward_raises(rank, P):
+    idx = torch.arange(2 * P).view(P, 2)
+    x = _rand(rank, 1, 2 * P, 2 * P).requires_grad_()
+    w = _rand(7, 2 * P, 2 * P).requires_grad_()
+    for fn in (lambda x: seq_to_head(x, idx, dist.group.WORLD), lambda x: head_to_seq(x, dist.group.WORLD),
+               lambda x: project_seq_to_head(x, w, idx, dist.group.WORLD)):
+        (gx,) = torch.autograd.grad((fn(x) ** 3).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            gx.sum().backward()
+
+
+def test_a_second_derivative_through_the_exchange_raises(pool):
+    """The backward's exchange is not itself recorded by autograd: a second derivative would silently
+    miss every peer's contribution (it did: off by ~10 at P = 4), so it raises instead."""
+    pool.run(_double_backward_raises)

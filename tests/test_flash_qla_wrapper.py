@@ -112,3 +112,45 @@ def test_without_empty_segments_keeps_every_boundary():
     torch.testing.assert_close(out[c.keep], kept)
     torch.testing.assert_close(out[[0, 2, 3, 6]], full[[0, 2, 3, 6]])
     assert torch.equal(varlen.expand_states(c, kept, None)[[0, 2, 3, 6]], torch.zeros(4, 2))
+
+
+@pytest.mark.parametrize("cu", [[0, 0], [0, 0, 0, 0]])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_a_pack_of_only_empty_segments_returns_every_state(monkeypatch, cu, with_state):
+    """No tokens at all: FlashQLA is not called, final = initial (zeros without one, N rows either way),
+    d initial = d final (zeros without a final-state gradient)."""
+    calls = []
+    _fake_flash_qla(monkeypatch, calls)
+    xs, h0, cut = _inputs(cu, with_state, seed=11)
+    N = len(cu) - 1
+    o, s = flash_qla_backend.chunk_fwd(*xs, initial_state=h0, output_final_state=True, cu=cut.int())
+    assert o.shape == xs[2].shape and s is not None and s.shape == (N, 4, 128, 128) and s.dtype == torch.float32
+    torch.testing.assert_close(s, torch.zeros_like(s) if h0 is None else h0, rtol=0, atol=0)
+    assert flash_qla_backend.chunk_fwd(*xs, initial_state=h0, output_final_state=False, cu=cut)[1] is None
+    dfinal = torch.randn(N, 4, 128, 128, generator=torch.Generator().manual_seed(3))
+    for dfin in (dfinal, None):
+        grads = flash_qla_backend.chunk_bwd(torch.zeros_like(xs[2]), dfin, *xs, initial_state=h0, cu=cut)
+        assert all(gr.shape == x.shape and gr.numel() == 0 for gr, x in zip(grads[:5], xs))
+        if h0 is None:
+            assert grads[5] is None
+        else:
+            torch.testing.assert_close(grads[5], torch.zeros_like(h0) if dfin is None else dfin, rtol=0, atol=0)
+    assert calls == []
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_a_dense_batch_without_tokens_does_not_reach_flash_qla(monkeypatch, with_state):
+    """Dense ``[B, 0]`` (the op hands a token-less dense call on as it is, not as a pack) is B empty
+    sequences, the case FlashQLA returned NaN for inside a pack: it is not called, the states pass."""
+    calls = []
+    _fake_flash_qla(monkeypatch, calls)
+    xs, h0, _ = _inputs([0, 0, 0, 0], with_state, seed=5)
+    xs = tuple(x.expand(3, *x.shape[1:]) for x in xs)          # B = 3 rows of T = 0
+    o, s = flash_qla_backend.chunk_fwd(*xs, initial_state=h0, output_final_state=True, cu=None)
+    assert o.shape == xs[2].shape and s.shape == (3, 4, 128, 128)
+    torch.testing.assert_close(s, torch.zeros_like(s) if h0 is None else h0, rtol=0, atol=0)
+    dfinal = torch.randn(3, 4, 128, 128, generator=torch.Generator().manual_seed(2))
+    grads = flash_qla_backend.chunk_bwd(torch.zeros_like(xs[2]), dfinal, *xs, initial_state=h0, cu=None)
+    assert all(gr.shape == x.shape for gr, x in zip(grads[:5], xs))
+    assert grads[5] is None if h0 is None else torch.equal(grads[5], dfinal)
+    assert calls == []

@@ -289,3 +289,36 @@ def _same_group_for_sp_and_cp(rank, world):
 def test_sp_and_cp_groups_sharing_ranks_raise(pool2):
     for msg in pool2.run(_same_group_for_sp_and_cp, timeout=60):
         assert "share" in msg and "sp_group and cp_group" in msg, msg
+
+
+def _warmup_cp(rank, world, cp, sp, include_states):
+    """warmup() on a cp (x sp) layer: the inputs are this rank's slices of packs of global length
+    T = cp * sp * T_local, never dense batches (CP takes B == 1) nor decode (T = N is not split); the
+    chunk kernel always sees states (CP hands them on)."""
+    import dataclasses
+    from gdn_layer.kernels import registry, warmup
+    torch_b = registry.backend_by_name("torch")
+    seen = []
+
+    def chunk(*args, initial_state=None, output_final_state=False, cu=None, **kw):
+        seen.append((initial_state is not None, output_final_state))
+        return torch_b.chunk_gated_delta_rule(*args, initial_state=initial_state,
+                                              output_final_state=output_final_state, cu=cu, **kw)
+
+    registry.register_backend(dataclasses.replace(torch_b, name="cp_spy", priority=-5, chunk_gated_delta_rule=chunk))
+    try:
+        cp_group, sp_group = _mesh(cp, sp, use_mesh=False)
+        layer = _layer(cp_group=cp_group, sp_group=sp_group)
+        layer.backend = "cp_spy"
+        assert warmup(layer, include_states=include_states) > 0
+    finally:
+        registry._BACKENDS.pop("cp_spy", None)
+    return sorted(set(seen))
+
+
+@pytest.mark.parametrize("include_states", [True, False])
+def test_warmup_of_a_cp_layer_runs_its_slices(pool4, include_states):
+    for cp, sp in ((4, 1), (2, 2)):
+        for seen in pool4.run(_warmup_cp, cp, sp, include_states):
+            # whatever include_states says, CP runs the chunk kernel with initial and final states
+            assert (True, True) in seen, seen

@@ -185,3 +185,73 @@ def test_warmup_leaves_the_random_state_alone():
     torch.manual_seed(3)
     warmup(layer)
     assert torch.equal(torch.randn(4), want)
+
+
+def test_warmup_sequence_counts_are_checked_and_each_runs_once():
+    """A registered backend's ``warmup_sequence_counts`` is the user's code: a count that is not a
+    positive int is named before any call runs, and a count listed twice is built once."""
+    seen = []
+    torch_b = registry.backend_by_name("torch")
+
+    def chunk(*args, cu=None, **kw):
+        seen.append(1 if cu is None else cu.numel() - 1)
+        return torch_b.chunk_gated_delta_rule(*args, cu=cu, **kw)
+
+    def layer_with(counts):
+        registry.register_backend(dataclasses.replace(
+            torch_b, name="counts_checked", priority=-5, chunk_gated_delta_rule=chunk,
+            warmup_sequence_counts=lambda hv: counts, dense_as_packed=True))
+        return GatedDeltaNet(32, 1, 2, 8, 8, backend="counts_checked")
+
+    try:
+        for bad, err in [((0,), ValueError), ((3, -1), ValueError), ((1.5,), TypeError), ((True,), TypeError),
+                         (None, TypeError), ("3", TypeError)]:
+            seen.clear()
+            with pytest.raises(err, match=r"counts_checked.*warmup_sequence_counts"):
+                warmup(layer_with(bad), include_states=False)
+            assert seen == []
+        warmup(layer_with([5, 1, 5, 2, torch.tensor(5)]), include_states=False)
+        # packs of 1, 2 and 5 sequences once each, and the dense batch of 2 rows (a pack of 2 as well)
+        assert set(seen) == {1, 2, 5} and seen.count(5) == seen.count(1) and seen.count(2) == 2 * seen.count(1)
+    finally:
+        registry._BACKENDS.pop("counts_checked", None)
+
+
+def test_warmup_goes_on_in_this_process_when_a_child_cannot_start(monkeypatch, caplog):
+    """Children only build ahead: when one cannot be started (no interpreter at sys.executable, a
+    child dying before it reads its jobs: BrokenPipeError), those already started are stopped, a
+    warning says so, and warmup runs every call in this process."""
+    import importlib
+    import logging
+    import subprocess
+    wmod = importlib.import_module("gdn_layer.kernels.warmup")
+    layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
+    spec = {"args": [32, 1, 2, 8, 8], "kwargs": {"backend": "torch"}, "param_dtype": "float32",
+            "dtype": "float32", "device": "cpu"}
+    real, started = subprocess.Popen, []
+
+    def second_fails(*args, **kwargs):
+        if started:
+            raise OSError("cannot start a second interpreter")
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", second_fails)
+    monkeypatch.setattr(wmod, "_spec", lambda layer, dtype: spec)       # the CUDA-only path, on CPU
+    with caplog.at_level(logging.WARNING, logger="gdn_layer.kernels"):
+        assert warmup(layer, workers=2, include_decode=False) > 0
+    assert len(started) == 1 and started[0].poll() is not None           # the one started was stopped
+    assert [r for r in caplog.records if "could not start" in r.message]
+
+
+def test_warmup_names_a_dtype_the_layer_cannot_run_and_runs_under_inference_mode():
+    layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
+    for bad in (torch.int32, "bf16"):
+        with pytest.raises(TypeError, match="dtype"):
+            warmup(layer, dtype=bad)
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        warmup(layer, dtype=torch.float64)             # autocast has no float64; the layer takes fp32
+    with pytest.raises(ValueError, match="dtype torch.float32"):
+        warmup(GatedDeltaNet(32, 1, 2, 8, 8, backend="torch", dtype=torch.bfloat16), dtype=torch.float32)
+    with torch.inference_mode():                       # a serving process: the backward is built too
+        assert warmup(layer, include_decode=False) > 0
