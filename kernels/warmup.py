@@ -119,6 +119,17 @@ def _run_jobs(layer, dtype, jobs) -> None:
                 torch.autograd.grad(loss, [x, *params], allow_unused=True)
 
 
+def _default_workers() -> int:
+    """Half the CPUs this process may use, shared by the local ranks of a torchrun launch
+    (``LOCAL_WORLD_SIZE``), at least 1 and at most 8."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return min(8, max(1, cpus // (2 * local)))
+
+
 def _spec(layer, dtype) -> dict | None:
     """What a child process needs to rebuild this layer's kernels, or None when it cannot."""
     p = next(layer.parameters())
@@ -216,7 +227,8 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
             (FlashQLA's kernels take 15-20 s each to build cold on an H200); a layer with ``cp_group``
             uses states internally, so it always builds them.
         workers: child processes that build the variants in parallel with this process (CUDA, backend
-            ``fla`` or ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPU cores, at most 8. They
+            ``fla`` or ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPUs this process may use, divided
+            among the local ranks of a torchrun launch (``LOCAL_WORLD_SIZE``), at least 1, at most 8. They
             share this process's environment (``TRITON_CACHE_DIR``, ``TILELANG_CACHE_DIR``,
             ``CUDA_VISIBLE_DEVICES``) and build into the disk caches; 0 builds in this process only.
 
@@ -246,7 +258,7 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     jobs = _jobs(layer, include_decode, include_states)
     spec = _spec(layer, dtype)
     if workers is None:
-        workers = min(8, max(1, (os.cpu_count() or 2) // 2)) if spec is not None else 0
+        workers = _default_workers() if spec is not None else 0
     # the children build ahead of this process, which runs every call itself (loading what a child has
     # built, building what none has yet); when it is done, children still running have nothing left to add
     children = _start_children(spec, jobs, min(workers, len(jobs))) if workers > 0 and spec is not None else []

@@ -255,3 +255,15 @@ def test_warmup_names_a_dtype_the_layer_cannot_run_and_runs_under_inference_mode
         warmup(GatedDeltaNet(32, 1, 2, 8, 8, backend="torch", dtype=torch.bfloat16), dtype=torch.float32)
     with torch.inference_mode():                       # a serving process: the backward is built too
         assert warmup(layer, include_decode=False) > 0
+
+
+def test_warmup_default_workers_are_shared_by_the_local_ranks(monkeypatch):
+    import importlib
+    wmod = importlib.import_module("gdn_layer.kernels.warmup")
+    monkeypatch.setattr(wmod.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert wmod._default_workers() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert wmod._default_workers() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert wmod._default_workers() == 1
