@@ -113,19 +113,29 @@ def _from_root(i_tensor, tensor_name, i_src):
     return sent
 
 
+def _one(i, name):
+    """The collective sends the one tensor at position i / keyword name."""
+    return lambda a, k: [_arg(a, k, i, name)]
+
+
+def _each(i, name):
+    """The collective sends each tensor of the list at position i / keyword name."""
+    return lambda a, k: list(_arg(a, k, i, name))
+
+
 _SENT = {
-    "all_to_all_single": lambda a, k: [_arg(a, k, 1, "input")],
-    "all_to_all": lambda a, k: list(_arg(a, k, 1, "input_tensor_list")),
-    "all_gather": lambda a, k: [_arg(a, k, 1, "tensor")],
-    "all_gather_into_tensor": lambda a, k: [_arg(a, k, 1, "input_tensor")],
-    "all_gather_single": lambda a, k: [_arg(a, k, 1, "input_tensor")],
-    "all_reduce": lambda a, k: [_arg(a, k, 0, "tensor")],
-    "reduce": lambda a, k: [_arg(a, k, 0, "tensor")],
-    "reduce_scatter": lambda a, k: list(_arg(a, k, 1, "input_list")),
-    "reduce_scatter_tensor": lambda a, k: [_arg(a, k, 1, "input")],
-    "reduce_scatter_single": lambda a, k: [_arg(a, k, 1, "input")],
-    "gather": lambda a, k: [_arg(a, k, 0, "tensor")],
-    "send": lambda a, k: [_arg(a, k, 0, "tensor")],
+    "all_to_all_single": _one(1, "input"),
+    "all_to_all": _each(1, "input_tensor_list"),
+    "all_gather": _one(1, "tensor"),
+    "all_gather_into_tensor": _one(1, "input_tensor"),
+    "all_gather_single": _one(1, "input_tensor"),
+    "all_reduce": _one(0, "tensor"),
+    "reduce": _one(0, "tensor"),
+    "reduce_scatter": _each(1, "input_list"),
+    "reduce_scatter_tensor": _one(1, "input"),
+    "reduce_scatter_single": _one(1, "input"),
+    "gather": _one(0, "tensor"),
+    "send": _one(0, "tensor"),
     # point-to-point batches: their sends. ``isend`` itself is not wrapped: ``P2POp`` accepts only the
     # original function, and the all-to-all pair hands it ``dist.isend``
     "batch_isend_irecv": lambda a, k: [op.tensor for op in _arg(a, k, 0, "p2p_op_list")
