@@ -14,8 +14,8 @@ sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one
 Cold, the compiles dominate (FlashQLA's TileLang kernels take 15-20 s each on an H200) and run one after
 another in one process; so on CUDA ``warmup`` also starts ``workers`` child processes that run shares
 of the calls at the same time, building into the shared disk caches, while this process runs every call
-(loading what a child has already built). Warm caches: this process is done in seconds and stops them. Triton's (and tilelang's) disk caches make a second process start
-warm.
+(loading what a child has already built) and then stops them. Those disk caches also make a second
+process start warm: it is done in seconds.
 """
 from __future__ import annotations
 
@@ -100,16 +100,16 @@ def _run_jobs(layer, dtype, jobs) -> None:
                         torch.randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device) * 0.1)
 
     for kind, n, st, out_state, grad in jobs:
-        if kind == "decode":
-            T, B, cu = n, 1, torch.arange(n + 1, device=device)
+        if kind == "decode":                 # one token per sequence, not split across ranks
+            B, T_local, cu = 1, n, torch.arange(n + 1, device=device)
         else:
             # two chunks per rank (more for many sequences), a sequence boundary mid-chunk, T divisible by P
             T = 2 * 64 * P * max(1, -(-n // (2 * 64)))
-            B, cu = (1, torch.div(torch.arange(n + 1, device=device) * T, n, rounding_mode="floor")
-                     if n != 2 else torch.tensor([0, 37 * P, T], device=device))
+            B, T_local, cu = 1, T // P, (torch.div(torch.arange(n + 1, device=device) * T, n, rounding_mode="floor")
+                                         if n != 2 else torch.tensor([0, 37 * P, T], device=device))
             if kind == "dense":
-                B, T, cu = n, T, None
-        x = torch.randn(B, T // (1 if kind == "decode" else P), layer.hidden_size, device=device, dtype=dtype)
+                B, cu = n, None
+        x = torch.randn(B, T_local, layer.hidden_size, device=device, dtype=dtype)
         x.requires_grad_(grad)
         with torch.set_grad_enabled(grad), autocast:
             res = layer(x, cu_seqlens=cu, state=state(n) if st else None, output_state=out_state)
@@ -130,6 +130,13 @@ def _default_workers() -> int:
     return min(8, max(1, cpus // (2 * local)))
 
 
+def _cuda_devices(device: torch.device) -> list[int]:
+    """``[index]`` of a CUDA device (an index-less ``"cuda"`` is the current one), ``[]`` otherwise."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
 def _spec(layer, dtype) -> dict | None:
     """What a child process needs to rebuild this layer's kernels, or None when it cannot."""
     p = next(layer.parameters())
@@ -140,7 +147,7 @@ def _spec(layer, dtype) -> dict | None:
             "kwargs": {"conv_kernel_size": layer.conv_kernel_size, "norm_eps": layer.norm.eps,
                        "projection_layout": layer.projection_layout, "backend": layer.resolved_backend},
             "param_dtype": str(p.dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
-            "device": str(p.device if p.device.index is not None else torch.device("cuda", torch.cuda.current_device()))}
+            "device": f"cuda:{_cuda_devices(p.device)[0]}"}
 
 
 def _start_children(spec: dict, jobs: list, workers: int) -> list:
@@ -227,8 +234,8 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
             (FlashQLA's kernels take 15-20 s each to build cold on an H200); a layer with ``cp_group``
             uses states internally, so it always builds them.
         workers: child processes that build the variants in parallel with this process (CUDA, backend
-            ``fla`` or ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPUs this process may use, divided
-            among the local ranks of a torchrun launch (``LOCAL_WORLD_SIZE``), at least 1, at most 8. They
+            ``fla`` or ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPUs this process
+            may use, divided among the local ranks of a torchrun launch (``LOCAL_WORLD_SIZE``), 1 to 8. They
             share this process's environment (``TRITON_CACHE_DIR``, ``TILELANG_CACHE_DIR``,
             ``CUDA_VISIBLE_DEVICES``) and build into the disk caches; 0 builds in this process only.
 
@@ -262,11 +269,10 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     # the children build ahead of this process, which runs every call itself (loading what a child has
     # built, building what none has yet); when it is done, children still running have nothing left to add
     children = _start_children(spec, jobs, min(workers, len(jobs))) if workers > 0 and spec is not None else []
-    cuda = [p.device.index if p.device.index is not None else torch.cuda.current_device()] if p.device.type == "cuda" else []
     try:
         # the random inputs do not move the caller's RNG; the backward is part of what is built, also
         # when serving under inference_mode
-        with torch.random.fork_rng(devices=cuda), torch.inference_mode(False):
+        with torch.random.fork_rng(devices=_cuda_devices(p.device)), torch.inference_mode(False):
             _run_jobs(layer, dtype, jobs)
     finally:
         _finish_children(children, wait=False)
