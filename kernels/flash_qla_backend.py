@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import torch
 
@@ -61,6 +62,11 @@ def _compact(cu):
     return None if cu is None else varlen.without_empty_segments(cu)
 
 
+def _kept(t, c):
+    """The rows of a per-sequence tensor (state, state gradient) that FlashQLA sees after ``_compact``."""
+    return t if t is None or c is None else t.index_select(0, c.keep)
+
+
 def _fallback(why: str) -> None:
     if why not in _FALLBACK_LOGGED:
         _FALLBACK_LOGGED.add(why)
@@ -93,8 +99,7 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     c = _compact(cu)
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     _, _, o, _, final, _ = chunk_gated_delta_rule_fwd(
-        qn, kn, v, g, beta, scale=scale, initial_state=h0 if c is None or h0 is None else h0.index_select(0, c.keep),
-        cu_seqlens=cu if c is None else c.cu, output_final_state=output_final_state, auto_cp=False)
+        qn, kn, v, g, beta, scale=scale, initial_state=_kept(h0, c), cu_seqlens=cu if c is None else c.cu, output_final_state=output_final_state, auto_cp=False)
     if c is not None and output_final_state:
         final = varlen.expand_states(c, final, h0)
     return o, final
@@ -110,18 +115,14 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
         dh0 = None if h0 is None else (dht.clone() if dht is not None else torch.zeros_like(h0))
         return (*(torch.zeros_like(t) for t in (q, k, v, g, beta)), dh0)
     c = _compact(cu)
-    dht_kept = dht
-    if c is not None:
-        cu = c.cu
-        h0 = None if h0 is None else h0.index_select(0, c.keep)
-        dht_kept = None if dht is None else dht.index_select(0, c.keep)
+    cu = cu if c is None else c.cu
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     # recompute the chunk-local cumsum of g and the UT matrices A (cheap) instead of saving them
     g_cum = qla.chunk_local_cumsum(g=g, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
     A = qla.kkt_solve(k=kn, b=beta, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
     dq, dk, dv, db, dg, dh0 = qla.chunk_gated_delta_rule_bwd(
-        qn, kn, v, g_cum, beta, A, do.contiguous(), dht_kept,
-        scale=scale, initial_state=h0, cu_seqlens=cu, auto_cp=False)
+        qn, kn, v, g_cum, beta, A, do.contiguous(), _kept(dht, c),
+        scale=scale, initial_state=_kept(h0, c), cu_seqlens=cu, auto_cp=False)
     if use_qk_l2norm:
         dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
     if c is not None and initial_state is not None:
@@ -131,7 +132,6 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
 
 def _target_ctas() -> int:
     """FlashQLA's ``TARGET_NUM_CTAS`` for this GPU (its forward module's constant, 70% of the SMs in 0.1.3)."""
-    import sys
     try:
         from flash_qla.ops.gated_delta_rule import chunk as qla
         return int(sys.modules[qla.fused_gdr_fwd.__module__].TARGET_NUM_CTAS)
