@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gdn_layer import GatedDeltaNet
+from gdn_layer.parallel import all_to_all as aa
 from gdn_layer.parallel import head_to_seq, project_seq_to_head, seq_to_head
 from timing import Timer, add_common_args, init_distributed
 
@@ -33,6 +34,8 @@ from timing import Timer, add_common_args, init_distributed
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(p, iters=20)
+    p.add_argument("--chunks", type=int, nargs="+", default=[aa.PIPELINE_CHUNKS],
+                   help="time the pair with each of these PIPELINE_CHUNKS values (1: one message per peer)")
     return p.parse_args(argv)
 
 
@@ -41,6 +44,22 @@ def raw_all_to_all(numel, dtype, device, group):
     send = torch.randn(numel, device=device).to(dtype)
     recv = torch.empty_like(send)
     return lambda: dist.all_to_all_single(recv, send, group=group)
+
+
+def raw_p2p(numel, dtype, device, group):
+    """The peers' equal blocks of a ``numel`` buffer in one ``batch_isend_irecv`` (what our exchange
+    posts, the block a rank keeps left out), waited for."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    send = torch.randn(numel, device=device).to(dtype).view(P, -1)
+    recv = torch.empty_like(send)
+    ops = [op for d in range(P) if d != me
+           for op in (dist.P2POp(dist.irecv, recv[d], group=group, group_peer=d),
+                      dist.P2POp(dist.isend, send[d], group=group, group_peer=d))]
+
+    def run():
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return run
 
 
 def bench_one(T, args, feature_index, F, F_local, timer, group):
@@ -60,6 +79,7 @@ def bench_one(T, args, feature_index, F, F_local, timer, group):
     s2h_bytes = P * T_local * feature_index.shape[1] * x.element_size()   # send buffer of one rank
     row = dict(T=T, s2h_fwd=timer(s2h_fwd), s2h_fwd_bwd=timer(s2h_fwd_bwd),
                s2h_raw=timer(raw_all_to_all(s2h_bytes // x.element_size(), dtype, device, group)),
+               s2h_p2p=timer(raw_p2p(s2h_bytes // x.element_size(), dtype, device, group)),
                s2h_mb=s2h_bytes / 1e6)
     del x
     # the layer's path: its input projection feeding the all-to-all, as a GEMM then seq_to_head, and
@@ -90,6 +110,7 @@ def bench_one(T, args, feature_index, F, F_local, timer, group):
 
     row.update(h2s_fwd=timer(h2s_fwd), h2s_fwd_bwd=timer(h2s_fwd_bwd),
                h2s_raw=timer(raw_all_to_all(o.numel(), dtype, device, group)),
+               h2s_p2p=timer(raw_p2p(o.numel(), dtype, device, group)),
                h2s_mb=o.numel() * o.element_size() / 1e6)
     return row
 
@@ -114,22 +135,28 @@ def main(argv=None):
     for T in args.seq_lens:
         if T % P:
             raise ValueError(f"--seq-lens: T = {T} must be divisible by the number of ranks {P}")
-        rows.append(bench_one(T, args, feature_index, F, F_local, timer, group))
+    for chunks in args.chunks:
+        aa.PIPELINE_CHUNKS = chunks
+        for T in args.seq_lens:
+            rows.append(dict(chunks=chunks, **bench_one(T, args, feature_index, F, F_local, timer, group)))
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"P={P} device={name} dtype={args.dtype} hidden={args.hidden} Hk={args.k_heads} "
               f"Hv={args.v_heads} D={args.head_dim}; median of {args.iters} after {args.warmup} warm-up, slowest rank")
-        print("| global T | seq_to_head fwd | seq_to_head fwd+bwd | raw a2a of its bytes "
-              "| head_to_seq fwd | head_to_seq fwd+bwd | raw a2a |")
-        print("|---|---|---|---|---|---|---|")
+        print("| global T | chunks | seq_to_head fwd | seq_to_head fwd+bwd | raw a2a of its bytes | raw p2p "
+              "| head_to_seq fwd | head_to_seq fwd+bwd | raw a2a | raw p2p |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['T']} | {fmt(r['s2h_fwd'])} | {fmt(r['s2h_fwd_bwd'])} | {fmt(r['s2h_raw'])} "
-                  f"({r['s2h_mb']:.3g} MB) | {fmt(r['h2s_fwd'])} | {fmt(r['h2s_fwd_bwd'])} | {fmt(r['h2s_raw'])} "
-                  f"({r['h2s_mb']:.3g} MB) |", flush=True)
-        print("\n| global T | projection GEMM + seq_to_head, fwd+bwd | project_seq_to_head (GEMM into the send buffer), fwd+bwd |")
-        print("|---|---|---|")
+            print(f"| {r['T']} | {r['chunks']} | {fmt(r['s2h_fwd'])} ({r['s2h_fwd'] / r['s2h_raw']:.2f}x) "
+                  f"| {fmt(r['s2h_fwd_bwd'])} ({r['s2h_fwd_bwd'] / r['s2h_raw']:.2f}x) | {fmt(r['s2h_raw'])} "
+                  f"({r['s2h_mb']:.3g} MB) | {fmt(r['s2h_p2p'])} | {fmt(r['h2s_fwd'])} ({r['h2s_fwd'] / r['h2s_raw']:.2f}x) "
+                  f"| {fmt(r['h2s_fwd_bwd'])} ({r['h2s_fwd_bwd'] / r['h2s_raw']:.2f}x) | {fmt(r['h2s_raw'])} "
+                  f"({r['h2s_mb']:.3g} MB) | {fmt(r['h2s_p2p'])} |", flush=True)
+        print("\n| global T | chunks | projection GEMM + seq_to_head, fwd+bwd | project_seq_to_head (GEMM into the send buffer), fwd+bwd |")
+        print("|---|---|---|---|")
         for r in rows:
-            print(f"| {r['T']} | {fmt(r['proj_then_s2h_fwd_bwd'])} | {fmt(r['proj_into_send_fwd_bwd'])} |", flush=True)
+            print(f"| {r['T']} | {r['chunks']} | {fmt(r['proj_then_s2h_fwd_bwd'])} | {fmt(r['proj_into_send_fwd_bwd'])} |",
+                  flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(args=vars(args), P=P, device=name, rows=rows), f, indent=1)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from gdn_layer import GatedDeltaNet
+from gdn_layer.kernels import warmup
 from timing import Timer, add_common_args, count_sent_bytes, init_distributed
 
 MODES = ("one", "sp", "cp")
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--docs", type=int, default=9, help="documents per pack (random cuts, seed 0)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--check", action="store_true", help="first compare sp and cp with one (max rel error)")
+    p.add_argument("--warmup-kernels", action="store_true",
+                   help="first run gdn_layer.kernels.warmup() on each mode's layer (every rank; prints the seconds it took)")
     return p.parse_args(argv)
 
 
@@ -181,6 +184,16 @@ def main(argv=None):
         if not 1 <= args.docs <= T:
             raise ValueError(f"--docs must be in [1, T], got {args.docs} for T = {T}")
     layers = build_layers(args, device, args.modes)
+    if args.warmup_kernels:
+        for mode, layer in layers.items():
+            if mode == "one" and dist.get_rank() != 0:
+                dist.barrier()
+                continue
+            seconds = warmup(layer)
+            if mode == "one":
+                dist.barrier()
+            if dist.get_rank() == 0:
+                print(f"warmup {mode}: {seconds:.1f} s", flush=True)
     if args.check:
         for T in args.seq_lens:
             check(layers, T, args, device)

@@ -28,6 +28,8 @@ def main(argv=None):
     ap.add_argument("--docs", type=int, default=9)
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     ap.add_argument("--max-tokens", action="store_true", help="search the largest packed T that fits instead")
+    ap.add_argument("--layers", nargs="+", default=["ours", "fla"], choices=["ours", "fla"],
+                    help="with --max-tokens: which layers to search")
     args = ap.parse_args(argv)
     if args.max_tokens:
         return max_tokens(args)
@@ -85,6 +87,8 @@ def max_tokens(args, sizes=(262144, 524288, 786432, 917504, 1048576, 1310720, 15
     layers = make_layers(args.backend, H, HK, HV, D, dt)
     for name in list(layers):
         m, call = layers.pop(name)
+        if name not in args.layers:
+            continue
         best = None
         for T in sizes:
             x = cu = None

@@ -12,10 +12,12 @@ kernel); each forward and backward. A backend that picks a compiled variant from
 sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one pack per such count.
 
 Cold, the compiles dominate (FlashQLA's TileLang kernels take 15-20 s each on an H200) and run one after
-another in one process; so on CUDA ``warmup`` also starts ``workers`` child processes that run shares
-of the calls at the same time, building into the shared disk caches, while this process runs every call
-(loading what a child has already built) and then stops them. Those disk caches also make a second
-process start warm: it is done in seconds.
+another in one process. So on CUDA ``warmup`` first runs the first call itself, which builds what every
+variant shares (the conv, norm and gate kernels, the library's common pieces); when that took longer
+than ``COLD_FIRST_CALL_S`` (the disk caches were cold), it starts ``workers`` child processes that build
+shares of the remaining calls at the same time into the shared disk caches, waits for them, and then
+runs those calls itself, loading what the children built. With warm caches the first call is quick, no
+child starts, and a second process is done in seconds.
 """
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ log = logging.getLogger("gdn_layer.kernels")
 # backends whose layer a child process can rebuild by name (a backend registered at run time is not
 # registered in a child)
 _CHILD_BACKENDS = ("fla", "flash_qla")
+# the first call took longer than this (seconds): the disk caches were cold, so children build the rest
+COLD_FIRST_CALL_S = 15.0
+# a child still building after this long (seconds) is stopped; this process then builds what it had left
+_CHILD_LIMIT_S = 1800.0
 
 
 def _backend(layer):
@@ -189,17 +195,26 @@ def _start_children(spec: dict, jobs: list, workers: int) -> list:
 
 
 def _finish_children(children: list, wait: bool) -> None:
-    """Wait for the children (``wait``) or stop those still running (what they were building, this
-    process has built meanwhile); a child that failed is logged, not raised."""
+    """Wait for the children (``wait``; at most ``_CHILD_LIMIT_S`` in all) or stop those still running
+    (what they were building, this process builds after them); a child that failed is logged, not
+    raised. Each child is handled once: a second call skips those already finished."""
+    deadline = time.monotonic() + _CHILD_LIMIT_S
     for proc, err in children:
-        if not wait and proc.poll() is None:
+        if err.closed:
+            continue
+        if wait:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("warmup: a child process still building after %.0f s was stopped", _CHILD_LIMIT_S)
+        if proc.poll() is None:
             proc.terminate()
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        elif proc.wait() != 0:
+        elif proc.returncode != 0:
             err.seek(0)
             log.warning("warmup: a child process failed (rc %s):\n%s", proc.returncode, err.read()[-2000:])
         err.close()
@@ -233,11 +248,12 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
             state (continuing sequences, decode). False builds only what training without states runs
             (FlashQLA's kernels take 15-20 s each to build cold on an H200); a layer with ``cp_group``
             uses states internally, so it always builds them.
-        workers: child processes that build the variants in parallel with this process (CUDA, backend
-            ``fla`` or ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPUs this process
-            may use, divided among the local ranks of a torchrun launch (``LOCAL_WORLD_SIZE``), 1 to 8. They
-            share this process's environment (``TRITON_CACHE_DIR``, ``TILELANG_CACHE_DIR``,
-            ``CUDA_VISIBLE_DEVICES``) and build into the disk caches; 0 builds in this process only.
+        workers: child processes that build the variants in parallel when the disk caches are cold (the
+            first call took over ``COLD_FIRST_CALL_S``; CUDA, backend ``fla`` or ``flash_qla``, no sp/cp
+            group; elsewhere 0). Default: half the CPUs this process may use, divided among the local
+            ranks of a torchrun launch (``LOCAL_WORLD_SIZE``), 1 to 8. They share this process's
+            environment (``TRITON_CACHE_DIR``, ``TILELANG_CACHE_DIR``, ``CUDA_VISIBLE_DEVICES``) and build
+            into the disk caches; 0 builds in this process only.
 
     Returns:
         seconds spent. Parameter ``.grad`` fields are left untouched (gradients are taken with
@@ -266,16 +282,21 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     spec = _spec(layer, dtype)
     if workers is None:
         workers = _default_workers() if spec is not None else 0
-    # the children build ahead of this process, which runs every call itself (loading what a child has
-    # built, building what none has yet); when it is done, children still running have nothing left to add
-    children = _start_children(spec, jobs, min(workers, len(jobs))) if workers > 0 and spec is not None else []
-    try:
-        # the random inputs do not move the caller's RNG; the backward is part of what is built, also
-        # when serving under inference_mode
-        with torch.random.fork_rng(devices=_cuda_devices(p.device)), torch.inference_mode(False):
-            _run_jobs(layer, dtype, jobs)
-    finally:
-        _finish_children(children, wait=False)
+    # the random inputs do not move the caller's RNG; the backward is part of what is built, also when
+    # serving under inference_mode
+    with torch.random.fork_rng(devices=_cuda_devices(p.device)), torch.inference_mode(False):
+        first, rest = jobs[:1], jobs[1:]
+        _run_jobs(layer, dtype, first)          # builds what every variant shares
+        cold = time.perf_counter() - t0 > COLD_FIRST_CALL_S
+        if cold and rest and workers > 0 and spec is not None:
+            # each child builds its share of the variants; this process waits (building the same kernel
+            # twice at once would only slow both), then loads them from the disk caches
+            children = _start_children(spec, rest, min(workers, len(rest)))
+            try:
+                _finish_children(children, wait=True)
+            finally:
+                _finish_children(children, wait=False)      # an interrupt: none is left running
+        _run_jobs(layer, dtype, rest)
     if p.device.type == "cuda":
         torch.cuda.synchronize(p.device)
     return time.perf_counter() - t0

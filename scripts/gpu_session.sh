@@ -34,8 +34,16 @@ for spec in "$@"; do
     compile_auto)  rm -rf /tmp/cc-auto-t /tmp/cc-auto-tl
                    TRITON_CACHE_DIR=/tmp/cc-auto-t TILELANG_CACHE_DIR=/tmp/cc-auto-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --json "$OUT/compile_auto.json" ;;
     compile_auto_warm) TRITON_CACHE_DIR=/tmp/cc-auto-t TILELANG_CACHE_DIR=/tmp/cc-auto-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --json "$OUT/compile_auto_warm.json" ;;
+    # the local shapes of an sp=2 layer (Hk=8, Hv=16), cold, into their own caches
+    compile_sp)    rm -rf /tmp/cc-sp-t /tmp/cc-sp-tl
+                   TRITON_CACHE_DIR=/tmp/cc-sp-t TILELANG_CACHE_DIR=/tmp/cc-sp-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --k-heads 8 --v-heads 16 --json "$OUT/compile_sp.json" ;;
+    # the compile checks' caches copied into the default ones (entries are content-hashed folders)
+    merge)         for c in auto sp; do mkdir -p "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
+                     [ -d /tmp/cc-$c-t ] && cp -rn /tmp/cc-$c-t/. "$TRITON_CACHE_DIR/"
+                     [ -d /tmp/cc-$c-tl ] && cp -rn /tmp/cc-$c-tl/. "$TILELANG_CACHE_DIR/"; done
+                   du -sh "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR" ;;
     compile_train) rm -rf /tmp/cc-train-t /tmp/cc-train-tl
-                   TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --no-states ;;
+                   TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --no-states --json "$OUT/compile_train.json" ;;
     vs_fla)        FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --T 8192 32768 131072 --docs 9 ;;
     vs_fla_auto)   step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --T 8192 32768 131072 --docs 9 ;;
     tests_fla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "not flash_qla" ;;
@@ -43,11 +51,12 @@ for spec in "$@"; do
     tests_k)       step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "${K:?set K to a -k expression}" ;;
     tests_cuda)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda.py" -k "${K:-not nothing}" ;;
     max_tok)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --max-tokens ;;
+    max_tok_auto)  TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --max-tokens --layers ours ;;
     conv)          step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" ;;
     profile)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend fla ;;
     profile_auto)  step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto ;;
-    parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 ;;
-    a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
+    parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 --warmup-kernels ;;
+    a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 --chunks ${CHUNKS:-1 4} ;;
     *)             echo "unknown step $name" ;;
   esac
 done

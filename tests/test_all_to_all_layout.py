@@ -592,3 +592,45 @@ def test_a_second_derivative_through_the_exchange_raises(pool):
     """The backward's exchange is not itself recorded by autograd: a second derivative would silently
     miss every peer's contribution (it did: off by ~10 at P = 4), so it raises instead."""
     pool.run(_double_backward_raises)
+
+
+def _check_pipelined_chunks_equal_one_exchange(rank, P, B):
+    """With the exchange cut into token chunks (forced here on tiny tensors), every function gives the
+    values and gradients of the one-message exchange, and each peer gets one message per chunk each
+    way, of that chunk's tokens (5 tokens in 4 chunks: 1, 1, 1, 2)."""
+    import gdn_layer.parallel.all_to_all as aa
+    idx, F = _layer_index(P, replicated=True)
+    TL, H, W = 5, 7, idx.shape[1]
+    g = dist.group.WORLD
+    x, w = _rand(10 + rank, B, TL, F), _rand(20, F, H)
+    h = _rand(11 + rank, B, TL, H)
+    y = _rand(12 + rank, B, TL * P, 6)
+    cot, cot_y = _rand(30 + rank, B, TL * P, W), _rand(31 + rank, B, TL, P * 6)
+
+    def run():
+        xs, ws, hs, ys = (t.clone().requires_grad_() for t in (x, w, h, y))
+        outs = [seq_to_head(xs, idx, g), project_seq_to_head(hs, ws, idx, g), head_to_seq(ys, g)]
+        torch.autograd.backward(outs, [cot, cot, cot_y])
+        return [o.detach() for o in outs] + [xs.grad, ws.grad, hs.grad, ys.grad]
+
+    ref = run()
+    saved = aa.PIPELINE_CHUNKS, aa.PIPELINE_MIN_CHUNK_BYTES
+    aa.PIPELINE_CHUNKS, aa.PIPELINE_MIN_CHUNK_BYTES = 4, 1
+    try:
+        assert aa._token_chunks(TL, 1) == [(0, 1), (1, 2), (2, 3), (3, 5)]
+        with P2PSpy() as spy:
+            got = run()
+        sizes = [sorted({t.numel() for _, _, t in ops}) for ops in spy.batches]
+    finally:
+        aa.PIPELINE_CHUNKS, aa.PIPELINE_MIN_CHUNK_BYTES = saved
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # 3 functions x (forward, backward) x 4 chunks, each batch one send and one receive per peer
+    assert len(spy.batches) == 24 and all(len(ops) == 2 * (P - 1) for ops in spy.batches)
+    expected = sorted(B * n * t for n in (W,) * 4 + (6,) * 2 for t in (1, 1, 1, 2))
+    assert sorted(s for (s,) in sizes) == expected, sizes
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_pipelined_chunks_equal_one_exchange(pool, B):
+    pool.run(_check_pipelined_chunks_equal_one_exchange, B)

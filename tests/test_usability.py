@@ -238,10 +238,35 @@ def test_warmup_goes_on_in_this_process_when_a_child_cannot_start(monkeypatch, c
 
     monkeypatch.setattr(subprocess, "Popen", second_fails)
     monkeypatch.setattr(wmod, "_spec", lambda layer, dtype: spec)       # the CUDA-only path, on CPU
+    monkeypatch.setattr(wmod, "COLD_FIRST_CALL_S", 0.0)                 # as with cold disk caches
     with caplog.at_level(logging.WARNING, logger="gdn_layer.kernels"):
         assert warmup(layer, workers=2, include_decode=False) > 0
     assert len(started) == 1 and started[0].poll() is not None           # the one started was stopped
     assert [r for r in caplog.records if "could not start" in r.message]
+
+
+def test_warmup_starts_children_only_when_the_first_call_was_slow_and_waits_for_them(monkeypatch):
+    """Cold caches (the first call slower than COLD_FIRST_CALL_S): the children get every call but the
+    first, and this process runs those calls only after the children are done. Warm caches: no child."""
+    import importlib
+    wmod = importlib.import_module("gdn_layer.kernels.warmup")
+    layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
+    events = []
+    real_run = wmod._run_jobs
+    monkeypatch.setattr(wmod, "_spec", lambda layer, dtype: {"stand-in": True})
+    monkeypatch.setattr(wmod, "_run_jobs", lambda layer, dtype, jobs: (events.append(("run", len(jobs))),
+                                                                        real_run(layer, dtype, jobs)))
+    monkeypatch.setattr(wmod, "_start_children",
+                        lambda spec, jobs, workers: events.append(("children", len(jobs), workers)) or ["c"])
+    monkeypatch.setattr(wmod, "_finish_children", lambda children, wait: events.append(("finish", wait)))
+    n = len(wmod._jobs(layer, include_decode=True, include_states=True))
+    monkeypatch.setattr(wmod, "COLD_FIRST_CALL_S", 1e9)                 # warm: the first call is quick
+    warmup(layer, workers=3)
+    assert events == [("run", 1), ("run", n - 1)]
+    events.clear()
+    monkeypatch.setattr(wmod, "COLD_FIRST_CALL_S", 0.0)                 # cold
+    warmup(layer, workers=3)
+    assert events == [("run", 1), ("children", n - 1, 3), ("finish", True), ("finish", False), ("run", n - 1)]
 
 
 def test_warmup_names_a_dtype_the_layer_cannot_run_and_runs_under_inference_mode():
