@@ -11,13 +11,13 @@ without an initial state and a returned state; the decode path (one token per se
 kernel); each forward and backward. A backend that picks a compiled variant from the number of
 sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one pack per such count.
 
-Cold, the compiles dominate (FlashQLA's TileLang kernels take 15-20 s each on an H200) and run one after
-another in one process. So on CUDA ``warmup`` first runs the first call itself, which builds what every
-variant shares (the conv, norm and gate kernels, the library's common pieces); when that took longer
-than ``COLD_FIRST_CALL_S`` (the disk caches were cold), it starts ``workers`` child processes that build
-shares of the remaining calls at the same time into the shared disk caches, waits for them, and then
-runs those calls itself, loading what the children built. With warm caches the first call is quick, no
-child starts, and a second process is done in seconds.
+Cold, the compiles dominate (FlashQLA's TileLang kernels take 10-35 s each on an H200) and run one after
+another in one process. So on CUDA ``warmup`` starts ``workers`` child processes that build shares of
+the other calls into the shared disk caches (a dense batch is left out where the backend runs it as a
+pack: the same kernels) while this process runs the first call. When that call took longer than
+``COLD_FIRST_CALL_S`` (the caches were cold), this process waits for the children and then runs the
+other calls, loading what they built; otherwise (warm caches) it stops the children, which are still
+starting, and runs the rest itself in seconds.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ log = logging.getLogger("gdn_layer.kernels")
 # backends whose layer a child process can rebuild by name (a backend registered at run time is not
 # registered in a child)
 _CHILD_BACKENDS = ("fla", "flash_qla")
-# the first call took longer than this (seconds): the disk caches were cold, so children build the rest
+# the first call took longer than this (seconds): the disk caches were cold, so the children's builds
+# are waited for (else they are stopped)
 COLD_FIRST_CALL_S = 15.0
 # a child still building after this long (seconds) is stopped; this process then builds what it had left
 _CHILD_LIMIT_S = 1800.0
@@ -248,9 +249,9 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
             state (continuing sequences, decode). False builds only what training without states runs
             (FlashQLA's kernels take 15-20 s each to build cold on an H200); a layer with ``cp_group``
             uses states internally, so it always builds them.
-        workers: child processes that build the variants in parallel when the disk caches are cold (the
-            first call took over ``COLD_FIRST_CALL_S``; CUDA, backend ``fla`` or ``flash_qla``, no sp/cp
-            group; elsewhere 0). Default: half the CPUs this process may use, divided among the local
+        workers: child processes that build the other variants while this process runs the first call,
+            waited for when that call shows cold disk caches (over ``COLD_FIRST_CALL_S``), else stopped
+            (CUDA, backend ``fla`` or ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPUs this process may use, divided among the local
             ranks of a torchrun launch (``LOCAL_WORLD_SIZE``), 1 to 8. They share this process's
             environment (``TRITON_CACHE_DIR``, ``TILELANG_CACHE_DIR``, ``CUDA_VISIBLE_DEVICES``) and build
             into the disk caches; 0 builds in this process only.
@@ -284,19 +285,20 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
         workers = _default_workers() if spec is not None else 0
     # the random inputs do not move the caller's RNG; the backward is part of what is built, also when
     # serving under inference_mode
-    with torch.random.fork_rng(devices=_cuda_devices(p.device)), torch.inference_mode(False):
-        first, rest = jobs[:1], jobs[1:]
-        _run_jobs(layer, dtype, first)          # builds what every variant shares
-        cold = time.perf_counter() - t0 > COLD_FIRST_CALL_S
-        if cold and rest and workers > 0 and spec is not None:
-            # each child builds its share of the variants; this process waits (building the same kernel
-            # twice at once would only slow both), then loads them from the disk caches
-            children = _start_children(spec, rest, min(workers, len(rest)))
-            try:
-                _finish_children(children, wait=True)
-            finally:
-                _finish_children(children, wait=False)      # an interrupt: none is left running
-        _run_jobs(layer, dtype, rest)
+    first, rest = jobs[:1], jobs[1:]
+    backend = _backend(layer)
+    child_jobs = [j for j in rest if not (j[0] == "dense" and getattr(backend, "dense_as_packed", False))]
+    children = (_start_children(spec, child_jobs, min(workers, len(child_jobs)))
+                if child_jobs and workers > 0 and spec is not None else [])
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(p.device)), torch.inference_mode(False):
+            _run_jobs(layer, dtype, first)
+            # cold caches: wait for the children's builds (building the same kernel here at the same
+            # time would only slow both), then load them; warm: the children are not needed
+            _finish_children(children, wait=time.perf_counter() - t0 > COLD_FIRST_CALL_S)
+            _run_jobs(layer, dtype, rest)
+    finally:
+        _finish_children(children, wait=False)      # an error or interrupt: none is left running
     if p.device.type == "cuda":
         torch.cuda.synchronize(p.device)
     return time.perf_counter() - t0

@@ -17,10 +17,12 @@ with a few slice copies (``feature_plan``: no gather) and returns the receive bu
 ``[P*T_local, B, F_out]`` transposed to ``[B, T, F_out]``, a view for every B. The backward is the
 reverse exchange plus the same slice copies, adding only where a feature went to several ranks.
 
-Large exchanges are pipelined over token chunks (``_token_chunks``: up to ``PIPELINE_CHUNKS`` pieces of
+An exchange can be pipelined over token chunks (``_token_chunks``: up to ``PIPELINE_CHUNKS`` pieces of
 at least ``PIPELINE_MIN_CHUNK_BYTES`` per peer): chunk c's blocks are posted as soon as they are
 written, so that writing chunk c + 1 (a copy or a GEMM) runs while chunk c travels, and on the
-receiving side chunk c is read while chunk c + 1 arrives. Only the last chunk's copy is left exposed.
+receiving side chunk c is read while chunk c + 1 arrives. Off by default (``PIPELINE_CHUNKS = 1``): on
+two H200 over NVLink 2, 4 and 8 chunks were no faster than one message, mostly slower (docs/ulysses.md);
+set it for links where the copies are small next to the transfer.
 docs/ulysses.md says which bytes go where and why.
 """
 from __future__ import annotations
@@ -36,8 +38,9 @@ from .groups import resolve_sp_group
 
 
 # Pipelining of one exchange over token chunks: at most this many chunks, each at least this many bytes
-# per peer block (smaller messages cost more in per-message overhead than the overlap wins).
-PIPELINE_CHUNKS = 4
+# per peer block (smaller messages cost more in per-message overhead than the overlap wins). 1: one
+# message per peer, measured fastest on 2 x H200 (NVLink, NCCL).
+PIPELINE_CHUNKS = 1
 PIPELINE_MIN_CHUNK_BYTES = 16 << 20
 
 

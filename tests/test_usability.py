@@ -245,9 +245,11 @@ def test_warmup_goes_on_in_this_process_when_a_child_cannot_start(monkeypatch, c
     assert [r for r in caplog.records if "could not start" in r.message]
 
 
-def test_warmup_starts_children_only_when_the_first_call_was_slow_and_waits_for_them(monkeypatch):
-    """Cold caches (the first call slower than COLD_FIRST_CALL_S): the children get every call but the
-    first, and this process runs those calls only after the children are done. Warm caches: no child."""
+def test_warmup_children_build_the_other_calls_and_are_waited_for_only_when_caches_are_cold(monkeypatch):
+    """The children get every call but the first (a dense batch left out where the backend runs it as
+    a pack) and start before this process runs the first call. Cold caches (that call slower than
+    COLD_FIRST_CALL_S): this process waits for them, then runs the other calls. Warm: they are stopped."""
+    import dataclasses
     import importlib
     wmod = importlib.import_module("gdn_layer.kernels.warmup")
     layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
@@ -256,17 +258,23 @@ def test_warmup_starts_children_only_when_the_first_call_was_slow_and_waits_for_
     monkeypatch.setattr(wmod, "_spec", lambda layer, dtype: {"stand-in": True})
     monkeypatch.setattr(wmod, "_run_jobs", lambda layer, dtype, jobs: (events.append(("run", len(jobs))),
                                                                         real_run(layer, dtype, jobs)))
-    monkeypatch.setattr(wmod, "_start_children",
-                        lambda spec, jobs, workers: events.append(("children", len(jobs), workers)) or ["c"])
+    monkeypatch.setattr(wmod, "_start_children", lambda spec, jobs, workers: events.append(
+        ("children", sorted({j[0] for j in jobs}), len(jobs), workers)) or ["c"])
     monkeypatch.setattr(wmod, "_finish_children", lambda children, wait: events.append(("finish", wait)))
-    n = len(wmod._jobs(layer, include_decode=True, include_states=True))
+    jobs = wmod._jobs(layer, include_decode=True, include_states=True)
+    n, dense = len(jobs), sum(j[0] == "dense" for j in jobs)
+    assert jobs[0][0] == "packed" and dense > 0
     monkeypatch.setattr(wmod, "COLD_FIRST_CALL_S", 1e9)                 # warm: the first call is quick
     warmup(layer, workers=3)
-    assert events == [("run", 1), ("run", n - 1)]
+    assert events == [("children", ["decode", "dense", "packed"], n - 1, 3), ("run", 1), ("finish", False),
+                      ("run", n - 1), ("finish", False)]
     events.clear()
     monkeypatch.setattr(wmod, "COLD_FIRST_CALL_S", 0.0)                 # cold
+    torch_b = registry.backend_by_name("torch")
+    monkeypatch.setattr(wmod, "_backend", lambda layer: dataclasses.replace(torch_b, dense_as_packed=True))
     warmup(layer, workers=3)
-    assert events == [("run", 1), ("children", n - 1, 3), ("finish", True), ("finish", False), ("run", n - 1)]
+    assert events == [("children", ["decode", "packed"], n - 1 - dense, 3), ("run", 1), ("finish", True),
+                      ("run", n - 1), ("finish", False)]
 
 
 def test_warmup_names_a_dtype_the_layer_cannot_run_and_runs_under_inference_mode():
