@@ -52,7 +52,7 @@ for spec in "$@"; do
     tests_cuda)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda.py" -k "${K:-not nothing}" ;;
     max_tok)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --max-tokens ;;
     max_tok_auto)  TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --max-tokens --layers ours ;;
-    conv)          step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" ;;
+    conv)          step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" --quick ;;
     profile)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend fla ;;
     profile_auto)  step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto ;;
     parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 --warmup-kernels ;;
