@@ -134,14 +134,6 @@ def bench(quick):
     print("BLOCK_T BLOCK_C warps   fwd ms  (GB/s)   bwd ms  (GB/s)")
     for bt, bc, nw, f, bw_ms in sorted(rows, key=lambda r: r[3] + r[4]):
         print(f"{bt:7d} {bc:7d} {nw:5d} {f:8.3f} {fwd_bytes / f / 1e6:7.0f} {bw_ms:8.3f} {bwd_bytes / bw_ms / 1e6:7.0f}")
-    block = (conv.BLOCK_T, conv._block_c, conv.NUM_WARPS, conv.DZ_TILES)
-    conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = 32, (lambda C: 64), 4
-    print("backward by DZ_TILES (forward tiles per dz program; BLOCK_T 32, BLOCK_C 64, 4 warps)")
-    for tiles in (1, 2, 4, 8, 16):
-        conv.DZ_TILES = tiles
-        bw_ms = do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu"), return_mode="median")
-        print(f"DZ_TILES {tiles:3d}: bwd {bw_ms:.3f} ms ({bwd_bytes / bw_ms / 1e6:.0f} GB/s)", flush=True)
-    conv.BLOCK_T, conv._block_c, conv.NUM_WARPS, conv.DZ_TILES = block
     compare_fla(x, w, b, cu, init, dy)
 
 

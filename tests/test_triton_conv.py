@@ -86,15 +86,6 @@ def test_packed_with_empty_and_short_sequences_matches_reference(cu, W, init, ac
     assert_matches_reference(make_inputs(1, 130, 10, W, cu=cu, init=init, seed=len(cu) + W), act)
 
 
-@pytest.mark.parametrize("tiles", [2, 3])
-@pytest.mark.parametrize("B,T,cu", [(3, 65, None), (1, 130, [0, 0, 1, 3, 3, 64, 65, 130])])
-def test_dz_programs_of_several_tiles_match_reference(monkeypatch, tiles, B, T, cu):
-    """DZ_TILES forward tiles per dz program: tiles of several batch rows in one program, a last program
-    with fewer tiles than the others, and the summed dweight / dbias partials."""
-    monkeypatch.setattr(conv, "DZ_TILES", tiles)
-    assert_matches_reference(make_inputs(B, T, 12, 4, cu=cu, seed=tiles + B), "silu")
-
-
 def test_wide_channels_span_several_channel_blocks():
     assert_matches_reference(make_inputs(1, 70, 72, 3, cu=[0, 5, 70], seed=3), "swish")
 

@@ -13,10 +13,10 @@ packed layout compiles nothing:
 - ``_conv_fwd_kernel``, grid ``(cdiv(T, BLOCK_T) * B, cdiv(C, BLOCK_C))``: y for a tile of tokens x
   channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the caches).
 - ``_conv_state_fwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: gathers ``final_state[n]``.
-- ``_conv_dz_kernel``, grid ``(cdiv(cdiv(T, BLOCK_T) * B, DZ_TILES), cdiv(C, BLOCK_C))``: the
-  pre-activation's gradient dz (z recomputed from x; the forward saves nothing but its inputs) into a
-  ``[B, T, C]`` scratch buffer for DZ_TILES of the forward's tiles, plus their partial sums of dweight
-  and dbias (summed over the programs in torch afterwards: deterministic, no atomics).
+- ``_conv_dz_kernel``, same grid as the forward: the pre-activation's gradient dz (z recomputed from
+  x; the forward saves nothing but its inputs) into a ``[B, T, C]`` scratch buffer, plus the tile's
+  partial sums of dweight and dbias (summed over the tiles in torch afterwards: deterministic, no
+  atomics).
 - ``_conv_dx_kernel``, same grid: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
   instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
   spilled registers; the scratch round trip costs less.
@@ -38,9 +38,6 @@ import triton.language as tl
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
 BLOCK_T = 32
 NUM_WARPS = 4
-# Forward tiles per program of the backward's dz kernel: its dweight / dbias partial sums stay in
-# registers across them, so the partial buffer (and its reduction in torch) is DZ_TILES times smaller.
-DZ_TILES = 1
 
 
 def _block_c(C: int) -> int:
@@ -161,62 +158,46 @@ def _conv_state_fwd_kernel(x, init, cu, final, T, C, stride_xb, stride_xt, strid
     tl.store(final + (n * C + c) * (W - 1) + k, v, mask=valid)
 
 
-@triton.jit(do_not_specialize=["T", "n_tiles", "stride_xb", "stride_dyb"])
+@triton.jit(do_not_specialize=["T", "stride_xb", "stride_dyb"])
 def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dz, dw_part, db_part,
-                    T, C, n_tiles, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+                    T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
                     stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, TILES: tl.constexpr):
-    """dz (the pre-activation's gradient) for ``TILES`` consecutive forward tiles (tile = (batch row,
-    token block), as the forward's axis 0) of one channel block, and their summed partial dweight
-    [C, W] and dbias [C] (row pid of the parts).
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dz (the pre-activation's gradient) for the forward's tile, and the tile's partial dweight [C, W]
+    and dbias [C] (row pid of the parts).
 
-    z is recomputed from x (W taps); the taps are read again for dweight (cache hits). The partial
-    sums stay in registers across the program's tiles: one partial row per TILES tiles.
+    z is recomputed from x (W taps); the taps are read again for dweight (cache hits).
     """
-    pid = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < C
+    pid, b, t, c, tmask, cmask = _tile(T, C, BLOCK_T, BLOCK_C)
+    if IS_VARLEN:
+        n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
+        s = tl.load(cu + n, mask=tmask, other=0)
+        x_base = (s * stride_xt)[:, None]
+        dy_base = (s * stride_dyt)[:, None]
+        init_base = (n * stride_in)[:, None]
+        r1 = t - s
+    else:
+        x_base = b * stride_xb
+        dy_base = b * stride_dyb
+        init_base = b * stride_in
+        r1 = t
+    r = r1[:, None]
+    near = tl.min(tl.where(tmask, r1, W)) < W - 1
     c2, cm2 = c[None, :], cmask[None, :]
-    n_tb = tl.cdiv(T, BLOCK_T)
-    kw = tl.arange(0, BLOCK_W)[None, :]
-    db = tl.zeros((BLOCK_C,), ACC)
-    dw = tl.zeros((BLOCK_C, BLOCK_W), ACC)
-    for k in range(TILES):
-        tile = pid * TILES + k
-        b = (tile // n_tb).to(tl.int64)
-        t = (tile % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = (t < T) & (tile < n_tiles)
-        if IS_VARLEN:
-            n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
-            s = tl.load(cu + n, mask=tmask, other=0)
-            x_base = (s * stride_xt)[:, None]
-            dy_base = (s * stride_dyt)[:, None]
-            init_base = (n * stride_in)[:, None]
-            r1 = t - s
-        else:
-            x_base = b * stride_xb
-            dy_base = b * stride_dyb
-            init_base = b * stride_in
-            r1 = t
-        r = r1[:, None]
-        near = tl.min(tl.where(tmask, r1, W)) < W - 1
-        valid = tmask[:, None] & cm2
-        g = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c2, valid, near, cm2,
-                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
-                W, HAS_BIAS, HAS_INIT, SILU, ACC)
-        tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
-        if HAS_BIAS:
-            db += tl.sum(g, 0)
-        for i in tl.static_range(W):
-            xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
-                      W, HAS_INIT, ACC)
-            dw += tl.where(kw == W - 1 - i, tl.sum(g * xi, 0)[:, None], 0.0)
+    valid = tmask[:, None] & cm2
+    g = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c2, valid, near, cm2,
+            stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+            W, HAS_BIAS, HAS_INIT, SILU, ACC)
+    tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
     part = pid.to(tl.int64) * C + c
     if HAS_BIAS:
-        tl.store(db_part + part, db, mask=cmask)
-    tl.store(dw_part + part[:, None] * W + kw, dw, mask=cmask[:, None] & (kw < W))
+        tl.store(db_part + part, tl.sum(g, 0), mask=cmask)
+    for i in tl.static_range(W):
+        xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
+                  W, HAS_INIT, ACC)
+        tl.store(dw_part + part * W + (W - 1 - i), tl.sum(g * xi, 0), mask=cmask)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -365,29 +346,27 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     acc = tl.float64 if dt == torch.float64 else tl.float32
     silu = activation in ("silu", "swish")
     block_c = _block_c(C)
-    n_prog = triton.cdiv(T, BLOCK_T) * B                    # forward tiles: the dx kernel's programs
-    n_dz = triton.cdiv(n_prog, DZ_TILES)                     # the dz kernel's (DZ_TILES tiles each)
+    n_prog = triton.cdiv(T, BLOCK_T) * B
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
     # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
     # registers, and the fp32 initial-state gradient recomputes the dz it needs)
     dz = torch.empty(B, T, C, dtype=dt if x.element_size() >= 4 else x.dtype, device=x.device)
     # every entry is written (a program's channels past C are masked, and those are not in the buffer)
-    dw_part = torch.empty(n_dz, C, W, dtype=dt, device=x.device)
-    db_part = torch.empty(n_dz, C, dtype=dt, device=x.device)
+    dw_part = torch.empty(n_prog, C, W, dtype=dt, device=x.device)
+    db_part = torch.empty(n_prog, C, dtype=dt, device=x.device)
     dummy = x
     sin, sdf = _strides3(initial_state), _strides3(dfinal)
     flags = dict(W=W, IS_VARLEN=cu is not None, ACC=acc, BLOCK_C=block_c, num_warps=NUM_WARPS)
     seq_idx = dummy if cu is None else _seq_index(cu, T, x.device)
     cu_arg, df_arg = (dummy if cu is None else cu), (dummy if dfinal is None else dfinal)
     if n_prog > 0 and C > 0:
-        _conv_dz_kernel[(n_dz, triton.cdiv(C, block_c))](
+        _conv_dz_kernel[(n_prog, triton.cdiv(C, block_c))](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             seq_idx, cu_arg, dy, dz, dw_part, db_part,
-            T, C, n_prog, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+            T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin, *dy.stride(),
-            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=BLOCK_T,
-            BLOCK_W=triton.next_power_of_2(W), TILES=DZ_TILES, **flags)
+            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=BLOCK_T, **flags)
         _conv_dx_kernel[(n_prog, triton.cdiv(C, block_c))](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, C, weight.stride(0), weight.stride(1), *sdf,
             HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, **flags)
