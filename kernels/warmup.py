@@ -172,7 +172,9 @@ def _start_children(spec: dict, jobs: list, workers: int) -> list:
         for w in range(workers):
             share = jobs[w::workers]
             if share:
-                err = tempfile.TemporaryFile(mode="w+")
+                # errors="replace": a compiler's output need not be UTF-8, and a failed decode while
+                # logging a child would raise out of warmup before the other children are stopped
+                err = tempfile.TemporaryFile(mode="w+", errors="replace")
                 try:
                     proc = subprocess.Popen([sys.executable, "-m", "gdn_layer.kernels._warmup_child"],
                                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, env=env,

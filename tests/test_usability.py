@@ -245,6 +245,35 @@ def test_warmup_goes_on_in_this_process_when_a_child_cannot_start(monkeypatch, c
     assert [r for r in caplog.records if "could not start" in r.message]
 
 
+def test_warmup_logs_a_child_whose_error_output_is_not_utf8_and_stops_the_others(monkeypatch, caplog):
+    """A compiler may write bytes that are not UTF-8 to a child's stderr: the child's failure is still
+    only a warning (its output with the bad bytes replaced), not an error out of warmup that would skip
+    stopping the other children."""
+    import importlib
+    import logging
+    import subprocess
+    import sys
+    wmod = importlib.import_module("gdn_layer.kernels.warmup")
+    layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
+    real, started = subprocess.Popen, []
+    scripts = ["import sys; sys.stderr.buffer.write(b'ptxas \\xff\\xfe said no\\n'); sys.exit(3)",
+               "import time; time.sleep(120)"]
+
+    def stand_in(args, *rest, **kwargs):          # the first child fails at once, the second is still building
+        started.append(real([sys.executable, "-c", scripts[len(started)]], *rest, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", stand_in)
+    monkeypatch.setattr(wmod, "_spec", lambda layer, dtype: {"stand-in": True})
+    monkeypatch.setattr(wmod, "COLD_FIRST_CALL_S", 1e9)                 # warm: the children are stopped
+    monkeypatch.setattr(wmod, "_run_jobs", lambda layer, dtype, jobs: started[0].wait())
+    with caplog.at_level(logging.WARNING, logger="gdn_layer.kernels"):
+        warmup(layer, workers=2)
+    assert len(started) == 2 and started[0].returncode == 3 and started[1].poll() is not None
+    assert [r for r in caplog.records if "child process failed (rc 3)" in r.message and "ptxas" in r.message
+            and "said no" in r.message]
+
+
 def test_warmup_children_build_the_other_calls_and_are_waited_for_only_when_caches_are_cold(monkeypatch):
     """The children get every call but the first (a dense batch left out where the backend runs it as
     a pack) and start before this process runs the first call. Cold caches (that call slower than
