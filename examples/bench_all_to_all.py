@@ -3,7 +3,9 @@
 ``seq_to_head`` moves the layer's packed ``[q | k | v | a | b]`` buffer ``[1, T/P, 2*Hk*Dk + Hv*Dv + 2*Hv]``
 with the layer's real ``_feature_index``; ``head_to_seq`` moves the kernel output ``[1, T, Hv/P * Dv]``.
 Each is timed forward alone and forward + backward, next to one ``all_to_all_single`` of a buffer of
-the same size (what the collective alone costs). Median of ``--iters`` after ``--warmup``; CUDA events
+the same size (what the collective alone costs) and one ``batch_isend_irecv`` of the peers' equal blocks
+of it (what our point-to-point exchange posts). ``--chunks 1 2 4`` repeats the pair for each
+``PIPELINE_CHUNKS`` value (the exchange pipelined over that many token ranges). Median of ``--iters`` after ``--warmup``; CUDA events
 on GPU, ``perf_counter`` on CPU; every iteration starts after a sync of all ranks, and the table gives
 the slowest rank's median. A second table times the layer's way in: the input projection (hidden ->
 the packed buffer) as one GEMM followed by ``seq_to_head``, against ``project_seq_to_head`` (the GEMM
