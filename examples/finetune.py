@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="linear warm-up steps, then constant lr")
     p.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens scored before and after")
     p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--out", default="runs/finetune")
+    p.add_argument("--out", help="output folder (default: runs/finetune, with --tiny runs/finetune-tiny, so "
+                   "that a smoke run never replaces the real job's checkpoint)")
     p.add_argument("--resume", nargs="?", const="auto", help="checkpoint to continue from (bare: OUT/checkpoint.pt)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError(f"--cp must be >= 1, got {args.cp}")
     if args.cp > 1 and (args.sp or 1) != 1:
         raise ValueError(f"--cp {args.cp} runs with --sp 1 (this example does not build a cp x sp mesh)")
+    if args.out is None:
+        args.out = "runs/finetune-tiny" if args.tiny else "runs/finetune"
     return args
 
 
@@ -258,7 +261,7 @@ def build(args, ctx: Ctx):
                f"{cfg.num_hidden_layers} layers, GDN in {layers} (Hk={hk}, Hv={hv}, D={cfg.head_dim}, "
                f"{n_gdn / 1e6:.2f}M params); training {sum(p.numel() for p in params) / 1e6:.2f}M params\n"
                f"data: {len(docs)} documents from {len(sources)} files; {len(train)} train / {len(held)} "
-               f"held-out sequences of {args.seq_len}; world {ctx.dp * ctx.sp} = dp {ctx.dp} x sp {ctx.sp} "
+               f"held-out sequences of {args.seq_len}; world {ctx.dp * ctx.sp} = dp {ctx.dp} x {'cp' if ctx.cp else 'sp'} {ctx.sp} "
                f"on {ctx.device}")
     return model, params, saved_keys, train, held, original, summary
 

@@ -132,8 +132,9 @@ def agree_across_ranks(group, digest: torch.Tensor, local_error: BaseException |
                          f"those ranks); rank {rank} raises too so no rank waits in a collective")
     hi, neg_lo = buf[size:size + DIGEST_LEN], buf[size + DIGEST_LEN:]
     if not torch.equal(hi, -neg_lo):
-        raise ValueError(f"{what} differ across the SP ranks (seen from rank {rank}); every rank of the "
-                         "SP group must pass identical values")
+        raise ValueError(f"{what} differ across the SP ranks (seen from rank {rank}): at least one of them "
+                         "does (one digest covers them all, so which one is not known here); every rank of "
+                         "the SP group must pass identical values")
 
 
 __all__ = ["DIGEST_LEN", "agree_across_ranks", "digest_of"]

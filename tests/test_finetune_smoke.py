@@ -100,6 +100,13 @@ def test_bad_arguments_raise_value_error(bad, match):
         finetune.parse_args(bad)
 
 
+def test_a_tiny_smoke_run_writes_its_own_folder_by_default():
+    """--tiny must not replace the real job's checkpoint in runs/finetune (a new user's smoke run did)."""
+    assert finetune.parse_args([]).out == "runs/finetune"
+    assert finetune.parse_args(["--tiny"]).out == "runs/finetune-tiny"
+    assert finetune.parse_args(["--tiny", "--out", "x"]).out == "x"
+
+
 def test_layer_spec():
     assert parse_layers("odd", 6) == [1, 3, 5]
     assert parse_layers("0,2-3", 6) == [0, 2, 3]
