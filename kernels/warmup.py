@@ -102,9 +102,12 @@ def _run_jobs(layer, dtype, jobs) -> None:
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != p.dtype
                 else torch.autocast(device.type, enabled=False))
 
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32     # the layer's rule for state dtypes
+
     def state(n):
-        return GDNState(torch.randn(n, layer.conv_dim, layer.conv_kernel_size - 1, device=device),
-                        torch.randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device) * 0.1)
+        return GDNState(torch.randn(n, layer.conv_dim, layer.conv_kernel_size - 1, device=device, dtype=sdt),
+                        torch.randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device,
+                                    dtype=sdt) * 0.1)
 
     for kind, n, st, out_state, grad in jobs:
         if kind == "decode":                 # one token per sequence, not split across ranks

@@ -178,6 +178,12 @@ def test_warmup_children_run_their_share_and_a_failing_child_is_only_logged(capl
     assert wmod._spec(layer, torch.float32) is None      # CPU / torch backend: no children
 
 
+def test_warmup_of_a_float64_layer_builds_its_state_variants_with_float64_states():
+    """The layer takes float64 states with float64 activations only: warmup's states follow that rule."""
+    layer = GatedDeltaNet(32, 1, 2, 8, 8, dtype=torch.float64)
+    assert warmup(layer) > 0
+
+
 def test_warmup_leaves_the_random_state_alone():
     layer = GatedDeltaNet(32, 1, 2, 8, 8)
     torch.manual_seed(3)
