@@ -4,8 +4,7 @@
 with the layer's real ``_feature_index``; ``head_to_seq`` moves the kernel output ``[1, T, Hv/P * Dv]``.
 Each is timed forward alone and forward + backward, next to one ``all_to_all_single`` of a buffer of
 the same size (what the collective alone costs) and one ``batch_isend_irecv`` of the peers' equal blocks
-of it (what our point-to-point exchange posts). ``--chunks 1 2 4`` repeats the pair for each
-``PIPELINE_CHUNKS`` value (the exchange pipelined over that many token ranges). Median of ``--iters`` after ``--warmup``; CUDA events
+of it (what our point-to-point exchange posts). Median of ``--iters`` after ``--warmup``; CUDA events
 on GPU, ``perf_counter`` on CPU; every iteration starts after a sync of all ranks, and the table gives
 the slowest rank's median. A second table times the layer's way in: the input projection (hidden ->
 the packed buffer) as one GEMM followed by ``seq_to_head``, against ``project_seq_to_head`` (the GEMM
@@ -28,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from gdn_layer import GatedDeltaNet
-from gdn_layer.parallel import all_to_all as aa
 from gdn_layer.parallel import head_to_seq, project_seq_to_head, seq_to_head
 from timing import Timer, add_common_args, init_distributed
 
@@ -36,8 +34,6 @@ from timing import Timer, add_common_args, init_distributed
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(p, iters=20)
-    p.add_argument("--chunks", type=int, nargs="+", default=[aa.PIPELINE_CHUNKS],
-                   help="time the pair with each of these PIPELINE_CHUNKS values (1: one message per peer)")
     return p.parse_args(argv)
 
 
@@ -137,28 +133,24 @@ def main(argv=None):
     for T in args.seq_lens:
         if T % P:
             raise ValueError(f"--seq-lens: T = {T} must be divisible by the number of ranks {P}")
-    for chunks in args.chunks:
-        aa.PIPELINE_CHUNKS = chunks
-        for T in args.seq_lens:
-            rows.append(dict(chunks=chunks, **bench_one(T, args, feature_index, F, F_local, timer, group)))
+        rows.append(bench_one(T, args, feature_index, F, F_local, timer, group))
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"P={P} device={name} dtype={args.dtype} hidden={args.hidden} Hk={args.k_heads} "
               f"Hv={args.v_heads} D={args.head_dim}; median of {args.iters} after {args.warmup} warm-up, slowest rank")
-        print("| global T | chunks | seq_to_head fwd | seq_to_head fwd+bwd | raw a2a of its bytes | raw p2p "
+        print("| global T | seq_to_head fwd | seq_to_head fwd+bwd | raw a2a of its bytes | raw p2p "
               "| head_to_seq fwd | head_to_seq fwd+bwd | raw a2a | raw p2p |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['T']} | {r['chunks']} | {fmt(r['s2h_fwd'])} ({r['s2h_fwd'] / r['s2h_raw']:.2f}x) "
+            print(f"| {r['T']} | {fmt(r['s2h_fwd'])} ({r['s2h_fwd'] / r['s2h_raw']:.2f}x) "
                   f"| {fmt(r['s2h_fwd_bwd'])} ({r['s2h_fwd_bwd'] / r['s2h_raw']:.2f}x) | {fmt(r['s2h_raw'])} "
                   f"({r['s2h_mb']:.3g} MB) | {fmt(r['s2h_p2p'])} | {fmt(r['h2s_fwd'])} ({r['h2s_fwd'] / r['h2s_raw']:.2f}x) "
                   f"| {fmt(r['h2s_fwd_bwd'])} ({r['h2s_fwd_bwd'] / r['h2s_raw']:.2f}x) | {fmt(r['h2s_raw'])} "
                   f"({r['h2s_mb']:.3g} MB) | {fmt(r['h2s_p2p'])} |", flush=True)
-        print("\n| global T | chunks | projection GEMM + seq_to_head, fwd+bwd | project_seq_to_head (GEMM into the send buffer), fwd+bwd |")
-        print("|---|---|---|---|")
+        print("\n| global T | projection GEMM + seq_to_head, fwd+bwd | project_seq_to_head (GEMM into the send buffer), fwd+bwd |")
+        print("|---|---|---|")
         for r in rows:
-            print(f"| {r['T']} | {r['chunks']} | {fmt(r['proj_then_s2h_fwd_bwd'])} | {fmt(r['proj_into_send_fwd_bwd'])} |",
-                  flush=True)
+            print(f"| {r['T']} | {fmt(r['proj_then_s2h_fwd_bwd'])} | {fmt(r['proj_into_send_fwd_bwd'])} |", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(args=vars(args), P=P, device=name, rows=rows), f, indent=1)

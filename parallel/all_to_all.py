@@ -16,13 +16,6 @@ stream dependency, no host sync) and read what arrived. ``seq_to_head`` writes t
 with a few slice copies (``feature_plan``: no gather) and returns the receive buffer as a view,
 ``[P*T_local, B, F_out]`` transposed to ``[B, T, F_out]``, a view for every B. The backward is the
 reverse exchange plus the same slice copies, adding only where a feature went to several ranks.
-
-An exchange can be pipelined over token chunks (``_token_chunks``: up to ``PIPELINE_CHUNKS`` pieces of
-at least ``PIPELINE_MIN_CHUNK_BYTES`` per peer): chunk c's blocks are posted as soon as they are
-written, so that writing chunk c + 1 (a copy or a GEMM) runs while chunk c travels, and on the
-receiving side chunk c is read while chunk c + 1 arrives. Off by default (``PIPELINE_CHUNKS = 1``): on
-two H200 over NVLink 2, 4 and 8 chunks were no faster than one message, mostly slower (docs/ulysses.md);
-set it for links where the copies are small next to the transfer.
 docs/ulysses.md says which bytes go where and why.
 """
 from __future__ import annotations
@@ -37,21 +30,6 @@ from .feature_plan import pack, pack_rows, plan_for, unpack, unpack_rows, unpack
 from .groups import resolve_sp_group
 
 
-# Pipelining of one exchange over token chunks: at most this many chunks, each at least this many bytes
-# per peer block (smaller messages cost more in per-message overhead than the overlap wins). 1: one
-# message per peer, measured fastest on 2 x H200 (NVLink, NCCL).
-PIPELINE_CHUNKS = 1
-PIPELINE_MIN_CHUNK_BYTES = 16 << 20
-
-
-def _token_chunks(T_local: int, bytes_per_token: int) -> list[tuple[int, int]]:
-    """``[(t0, t1), ...]``: T_local tokens cut into 1 to ``PIPELINE_CHUNKS`` near-equal ranges of at
-    least ``PIPELINE_MIN_CHUNK_BYTES`` per peer block (``bytes_per_token``: one token's bytes in one
-    block). Always at least one range, ``(0, 0)`` when there are no tokens."""
-    n = max(1, min(PIPELINE_CHUNKS, T_local * bytes_per_token // max(1, PIPELINE_MIN_CHUNK_BYTES), T_local))
-    return [(c * T_local // n, (c + 1) * T_local // n) for c in range(n)]
-
-
 def _peer_ranges(P: int, me: int) -> list[tuple[int, int, int]]:
     """``(lo, hi, j)``: rows ``[lo, hi)`` of a ``[P, ...]`` buffer are entries ``[j, j + hi - lo)`` of the
     ``[P - 1, ...]`` buffer of the peers' blocks (every row but ``me``, in rank order)."""
@@ -62,21 +40,16 @@ def _peers(P: int, me: int) -> list[int]:
     return [d for d in range(P) if d != me]
 
 
-def _peer_chunks(t: torch.Tensor, me: int, chunks):
-    """For each token range ``(t0, t1)`` of ``chunks``, the peers' blocks ``t[d, t0:t1]`` (``d != me``)
-    of a ``[P, T_local, ...]`` tensor, each contiguous as a point-to-point send needs: views of ``t``
-    when its blocks already are, else copied into one buffer chunk by chunk, as each is asked for (a
-    generator: the copy of chunk c + 1 runs while chunk c, posted in between, travels)."""
+def _peer_blocks(t: torch.Tensor, me: int) -> list[torch.Tensor]:
+    """The peers' blocks ``t[d]`` (``d != me``) of a ``[P, ...]`` tensor, each contiguous as a
+    point-to-point send needs: views of ``t`` when they already are, else one buffer holding copies."""
     peers = _peers(t.shape[0], me)
     if all(t[d].is_contiguous() for d in peers):
-        for t0, t1 in chunks:
-            yield [t[d, t0:t1] for d in peers]
-        return
+        return [t[d] for d in peers]
     buf = t.new_empty(len(peers), *t.shape[1:])
-    for t0, t1 in chunks:
-        for lo, hi, j in _peer_ranges(t.shape[0], me):
-            buf[j:j + hi - lo, t0:t1].copy_(t[lo:hi, t0:t1])
-        yield [b[t0:t1] for b in buf.unbind(0)]
+    for lo, hi, j in _peer_ranges(t.shape[0], me):
+        buf[j:j + hi - lo].copy_(t[lo:hi])
+    return list(buf.unbind(0))
 
 
 def _post(sends, recvs, me: int, group) -> list:
@@ -104,11 +77,6 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _chunks_of(t: torch.Tensor) -> list[tuple[int, int]]:
-    """``_token_chunks`` for a ``[P, T_local, ...]`` exchange buffer (one peer block's bytes per token)."""
-    return _token_chunks(t.shape[1], t[0, :1].numel() * t.element_size() if t.shape[1] else 0)
-
-
 class _SeqToHead(torch.autograd.Function):
     """``x [B, T_local, F]`` -> receive buffer ``[P, T_local, B, F_out]`` (``None`` group: P = 1, no collective).
 
@@ -130,11 +98,9 @@ class _SeqToHead(torch.autograd.Function):
             pack(x, plan, feature_index, recv)
             return recv
         send = x.new_empty(P - 1, T_local, B, plan.width)
-        works = []
-        for t0, t1 in _chunks_of(send):           # chunk c + 1 is packed while chunk c travels
-            for lo, hi, j in _peer_ranges(P, me):
-                pack_rows(x[:, t0:t1], plan, feature_index, send[j:j + hi - lo, t0:t1], lo, hi)
-            works += _post([s[t0:t1] for s in send.unbind(0)], [recv[d, t0:t1] for d in _peers(P, me)], me, group)
+        for lo, hi, j in _peer_ranges(P, me):
+            pack_rows(x, plan, feature_index, send[j:j + hi - lo], lo, hi)
+        works = _post(send.unbind(0), [recv[d] for d in _peers(P, me)], me, group)
         pack_rows(x, plan, feature_index, recv[me:me + 1], me, me + 1)      # overlaps the exchange
         _wait(works)
         return recv
@@ -150,14 +116,11 @@ class _SeqToHead(torch.autograd.Function):
         P, T_local, B, _ = grad.shape
         out = unpack_start(grad, plan, B, T_local, ctx.F)
         back = grad.new_empty(P - 1, *grad.shape[1:])
-        chunks = _chunks_of(back)
-        works = [_post(blocks, [b[t0:t1] for b in back.unbind(0)], me, group)
-                 for (t0, t1), blocks in zip(chunks, _peer_chunks(grad, me, chunks))]
+        works = _post(_peer_blocks(grad, me), back.unbind(0), me, group)
         unpack_rows(out, grad[me:me + 1], plan, feature_index, me, me + 1, first=me)   # overlaps
-        for (t0, t1), w in zip(chunks, works):    # chunk c is unpacked while chunk c + 1 arrives
-            _wait(w)
-            for lo, hi, j in _peer_ranges(P, me):
-                unpack_rows(out[:, t0:t1], back[j:j + hi - lo, t0:t1], plan, feature_index, lo, hi, first=me)
+        _wait(works)
+        for lo, hi, j in _peer_ranges(P, me):
+            unpack_rows(out, back[j:j + hi - lo], plan, feature_index, lo, hi, first=me)
         return out, None, None, None, None
 
 
@@ -178,16 +141,13 @@ class _HeadToSeq(torch.autograd.Function):
         T_local = T // size
         xt = x.transpose(0, 1).unflatten(0, (size, T_local))         # [P, T_local, B, F_local], a view
         recv = x.new_empty(size - 1, T_local, B, F_local)            # block j: peer j's features of my tokens
-        chunks = _chunks_of(recv)
-        works = [_post(blocks, [r[t0:t1] for r in recv.unbind(0)], me, group)
-                 for (t0, t1), blocks in zip(chunks, _peer_chunks(xt, me, chunks))]
+        works = _post(_peer_blocks(xt, me), recv.unbind(0), me, group)
         out = x.new_empty(B, T_local, size * F_local)
         by_rank = out.view(B, T_local, size, F_local)
         by_rank[:, :, me].copy_(xt[me].transpose(0, 1))              # overlaps the exchange
-        for (t0, t1), w in zip(chunks, works):    # chunk c is copied into place while chunk c + 1 arrives
-            _wait(w)
-            for lo, hi, j in _peer_ranges(size, me):
-                by_rank[:, t0:t1, lo:hi].copy_(recv[j:j + hi - lo, t0:t1].permute(2, 1, 0, 3))
+        _wait(works)
+        for lo, hi, j in _peer_ranges(size, me):
+            by_rank[:, :, lo:hi].copy_(recv[j:j + hi - lo].permute(2, 1, 0, 3))
         return out
 
     @staticmethod
@@ -198,10 +158,7 @@ class _HeadToSeq(torch.autograd.Function):
         F_local = F // P                 # explicit: a -1 is ambiguous when the gradient has no elements
         blocks = grad.unflatten(2, (P, F_local)).permute(2, 1, 0, 3)  # [P, T_local, B, F_local], a view
         back = grad.new_empty(P, T_local, B, F_local)                # block s: my features of rank s's tokens
-        chunks = _chunks_of(back)
-        works = []
-        for (t0, t1), sends in zip(chunks, _peer_chunks(blocks, me, chunks)):   # chunk c + 1 copied while c travels
-            works += _post(sends, [back[d, t0:t1] for d in _peers(P, me)], me, ctx.group)
+        works = _post(_peer_blocks(blocks, me), [back[d] for d in _peers(P, me)], me, ctx.group)
         back[me].copy_(blocks[me])                                   # overlaps the exchange
         _wait(works)
         return back.view(P * T_local, B, F_local).transpose(0, 1), None, None, None
@@ -256,13 +213,10 @@ class _ProjectToHead(torch.autograd.Function):
         N = rows.shape[0]
         peers = _peers(P, me)
         send = rows.new_empty(P - 1, N, W)
+        for j, d in enumerate(peers):
+            torch.mm(rows, w[d].t(), out=send[j])
         recv = rows.new_empty(P, N, W)
-        works = []
-        for t0, t1 in _token_chunks(T_local, B * W * rows.element_size()):   # chunk c + 1's GEMMs while c travels
-            n0, n1 = t0 * B, t1 * B
-            for j, d in enumerate(peers):
-                torch.mm(rows[n0:n1], w[d].t(), out=send[j, n0:n1])
-            works += _post([s[n0:n1] for s in send.unbind(0)], [recv[d, n0:n1] for d in peers], me, group)
+        works = _post(send.unbind(0), [recv[d] for d in peers], me, group)
         torch.mm(rows, w[me].t(), out=recv[me])                      # overlaps the exchange
         _wait(works)
         return recv.view(P, T_local, B, W)
@@ -275,11 +229,8 @@ class _ProjectToHead(torch.autograd.Function):
         P, W, H = w.shape
         N = rows.shape[0]
         peers = _peers(P, me)
-        T_local, B = grad.shape[1], grad.shape[2]
         back = grad.new_empty(P - 1, N, W)
-        chunks = _chunks_of(grad)
-        works = [_post([b.view((t1 - t0) * B, W) for b in blocks], [b[t0 * B:t1 * B] for b in back.unbind(0)], me, ctx.group)
-                 for (t0, t1), blocks in zip(chunks, _peer_chunks(grad, me, chunks))]
+        works = _post([b.view(N, W) for b in _peer_blocks(grad, me)], back.unbind(0), me, ctx.group)
         want_rows, want_w = ctx.needs_input_grad[:2]
         drows = dw = None
         g = grad[me].reshape(N, W)                                   # overlaps the exchange
@@ -290,16 +241,13 @@ class _ProjectToHead(torch.autograd.Function):
         if want_w:
             dw = w.new_empty(P, W, H)
             torch.mm(g.t(), rows, out=dw[me])
-        for (t0, t1), work in zip(chunks, works):   # chunk c's dx GEMMs while chunk c + 1 arrives
-            _wait(work)
-            n0, n1 = t0 * B, t1 * B
-            for j, d in enumerate(peers):
-                if want_rows:
-                    if low:
-                        drows[n0:n1].add_(torch.mm(back[j, n0:n1], w[d]))
-                    else:
-                        drows[n0:n1].addmm_(back[j, n0:n1], w[d])
-        for j, d in enumerate(peers):                # the weight gradient: one GEMM per peer over all tokens
+        _wait(works)
+        for j, d in enumerate(peers):
+            if want_rows:
+                if low:
+                    drows.add_(torch.mm(back[j], w[d]))
+                else:
+                    drows.addmm_(back[j], w[d])
             if want_w:
                 torch.mm(back[j].t(), rows, out=dw[d])
         rows_dtype, w_dtype = ctx.dtypes
