@@ -99,7 +99,8 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     c = _compact(cu)
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     _, _, o, _, final, _ = chunk_gated_delta_rule_fwd(
-        qn, kn, v, g, beta, scale=scale, initial_state=_kept(h0, c), cu_seqlens=cu if c is None else c.cu, output_final_state=output_final_state, auto_cp=False)
+        qn, kn, v, g, beta, scale=scale, initial_state=_kept(h0, c), cu_seqlens=cu if c is None else c.cu,
+        output_final_state=output_final_state, auto_cp=False)
     if c is not None and output_final_state:
         final = varlen.expand_states(c, final, h0)
     return o, final
