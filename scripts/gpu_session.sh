@@ -57,6 +57,9 @@ for spec in "$@"; do
     profile_auto)  step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto ;;
     parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 --warmup-kernels ;;
     a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
+    prof_a2a)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/scripts/profile_sp.py" --what a2a --T "${T:-65536}" --trace "$OUT/trace_a2a" ;;
+    prof_sp)       step "$name" "$t" torchrun --nproc_per_node=2 "$R/scripts/profile_sp.py" --what layer --T "${T:-65536}" --docs 9 --trace "$OUT/trace_sp" ;;
+    sp_max)        step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes sp --seq-lens ${SP_T:-2097152} --docs ${DOCS:-64} --iters 2 --warmup 1 ;;
     *)             echo "unknown step $name" ;;
   esac
 done
