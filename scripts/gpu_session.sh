@@ -70,6 +70,8 @@ for spec in "$@"; do
                         --device cuda --dtype bfloat16 --backend "$b" --layers "$lay" --train all --seq-len "${FT_T:-8192}" \
                         --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name"
                    python3 -c "import json, statistics as s; r=[json.loads(l)['tokens_per_s'] for l in open('/tmp/$name/log.jsonl')][5:]; print('$name tokens/s median of steps 6..', len(r) + 5, round(s.median(r)), 'min', round(min(r)), 'max', round(max(r)))" | tee -a "$OUT/$name.log" ;;
+    prof_ft)       step "$name" "$t" python3 "$R/scripts/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
+                        --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ;;
     half_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 --k-heads 8 --v-heads 16 ;;
     full_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 ;;
     *)             echo "unknown step $name" ;;

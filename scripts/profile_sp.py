@@ -72,7 +72,8 @@ def analyse(trace_path, nsteps):
                           exposed=union(nccl) - both, idle=span - busy))
         for k in ks:
             per_kernel[k["name"]] = per_kernel.get(k["name"], 0.0) + k["dur"] / len(marks)
-    med = {key: statistics.median(s[key] for s in steps) / 1e3 for key in steps[0]}
+    keys = ("span", "busy", "nccl", "compute", "overlapped", "exposed", "idle")
+    med = {key: statistics.median(s[key] for s in steps) / 1e3 if steps else 0.0 for key in keys}
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
     return med, top
 
