@@ -9,7 +9,8 @@ kernel (``triton/l2norm.py``): fla's buckets the row count into a compile-time a
 Backward recomputes the cheap chunk-local parts (gate cumsum, the WY/UT ``A`` matrices, the L2 norm)
 from the inputs instead of keeping them: only the op's inputs are saved for backward.
 
-Costs one device->host read of ``cu_seqlens`` per call (fla sizes its chunk grid on the host).
+Costs one device->host read of ``cu_seqlens`` per ``cu_seqlens`` tensor (fla sizes its chunk grid on
+the host; ``cu_cache`` keeps the index for the next layers and the backward).
 fla-core is imported lazily: this module imports anywhere.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 
 import torch
 
-from . import reference
+from . import cu_cache, reference
 from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_bwd, l2norm_fwd, norm_bwd, norm_fwd
 
 CHUNK = 64
@@ -43,11 +44,15 @@ def available(device: torch.device) -> tuple[bool, str]:
 
 
 def _varlen(cu):
-    """fla's chunk index for packed sequences (one host read of ``cu``), or None for a dense batch."""
+    """fla's chunk index for packed sequences, or None for a dense batch: built once per ``cu`` tensor
+    (``cu_cache``; one host read of ``cu`` the first time), reused by every layer and the backward."""
     if cu is None:
         return None
-    from fla.ops.utils.index import prepare_chunk_indices
-    return prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu.cpu())
+
+    def build():
+        from fla.ops.utils.index import prepare_chunk_indices
+        return prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cache.host_copy(cu))
+    return cu_cache.derived(cu, ("fla_chunk_indices", CHUNK), build)
 
 
 def _prep(q, k, v, beta, use_qk_l2norm):

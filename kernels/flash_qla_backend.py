@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from . import fla_backend, varlen
+from . import cu_cache, fla_backend, varlen
 from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_bwd, l2norm_fwd, norm_bwd, norm_fwd
 
 log = logging.getLogger("gdn_layer.kernels")
@@ -58,8 +58,9 @@ def eligible(q, k, v) -> str:
 def _compact(cu):
     """FlashQLA 0.1.3 gave NaN outputs for packs with zero-length segments on an H200
     (``cu = [0, 100, 100, 257, 700]``): it is handed the pack without them (``varlen.without_empty_segments``,
-    one host read of cu) and the dropped sequences' states pass through."""
-    return None if cu is None else varlen.without_empty_segments(cu)
+    one host read of cu per tensor: ``cu_cache``) and the dropped sequences' states pass through."""
+    return None if cu is None else cu_cache.derived(cu, "without_empty_segments",
+                                                    lambda: varlen.without_empty_segments(cu))
 
 
 def _kept(t, c):

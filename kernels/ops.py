@@ -23,11 +23,13 @@ Ops (inputs already validated by ``api.py``; optional outputs come back as empty
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from . import cu_cache
 from .reference import compute_dtype as math_dtype   # fp64 when any input is fp64, else fp32 (None ignored)
 from .registry import backend_by_name
 
@@ -92,6 +94,16 @@ def _delta_rule_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_
     return v.new_empty(v.shape), q.new_empty(shape, dtype=math_dtype(q, k, v, g, beta, initial_state))
 
 
+@functools.lru_cache(maxsize=16)
+def _dense_cu(B: int, T: int, device: torch.device) -> torch.Tensor:
+    """``[0, T, 2T, ..., B*T]`` on ``device``, one read-only tensor per shape with its host values
+    recorded (``cu_cache``): the backends' per-``cu_seqlens`` caches then hit for every dense call of
+    that shape, and nothing reads it back from the device."""
+    cu = torch.arange(0, B * T + 1, T, device=device, dtype=torch.int64)
+    cu_cache.remember(cu, "host", torch.arange(0, B * T + 1, T, dtype=torch.int64))
+    return cu
+
+
 def _as_packed(b, cu_seqlens, *tensors):
     """A dense ``[B, T, ...]`` call as one pack ``[1, B*T, ...]`` with ``cu = [0, T, 2T, ..., B*T]``, for
     backends with ``dense_as_packed`` (the math is the same: each row is its own sequence). Returns
@@ -101,7 +113,7 @@ def _as_packed(b, cu_seqlens, *tensors):
     B, T = q.shape[:2]
     if cu_seqlens is not None or not b.dense_as_packed or B * T == 0:
         return cu_seqlens, tensors, lambda x: x
-    cu = torch.arange(0, B * T + 1, T, device=q.device, dtype=torch.int64)
+    cu = _dense_cu(B, T, q.device)
     flat = tuple(t.reshape(1, B * T, *t.shape[2:]) for t in tensors)
     return cu, flat, lambda x: x.reshape(B, T, *x.shape[2:])
 

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .cu_cache import as_int64, host_copy
+
 _VALIDATE: bool | None = None
 _SKIP_DEPTH = 0
 
@@ -80,7 +82,7 @@ def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | N
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must hold at least 2 entries (one sequence), got {cu_seqlens.numel()}")
     if values_checkable(cu_seqlens):
-        host = cu_seqlens.detach().cpu()
+        host = host_copy(cu_seqlens)
         if int(host[0]) != 0:
             raise ValueError(f"{name} must start at 0, got {name}[0] = {int(host[0])}")
         steps = host[1:] - host[:-1]
@@ -91,7 +93,9 @@ def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | N
         if total_len is not None and int(host[-1]) != total_len:
             raise ValueError(f"{name}[-1] must equal the packed length T = {total_len}, got {int(host[-1])}"
                              + (f"; {length_hint}" if length_hint else ""))
-    return cu_seqlens.to(device=device if device is not None else cu_seqlens.device, dtype=torch.int64)
+    # one shared int64 copy per tensor (cu_cache): every layer of a step then hands the backends the
+    # same tensor, and what they derive from it is computed once
+    return as_int64(cu_seqlens, device if device is not None else cu_seqlens.device)
 
 
 def check_no_nan(name: str, t: torch.Tensor | None, finite: bool = False) -> None:

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import cu_cache
+
 
 def sequence_lengths(cu: torch.Tensor | None, batch: int, seqlen: int) -> list[int]:
     """The N sequence lengths: from ``cu_seqlens`` (B == 1), or B rows of ``seqlen`` when ``cu`` is None."""
@@ -178,7 +180,8 @@ def without_empty_segments(cu: torch.Tensor) -> Compaction | None:
     """None when every sequence of ``cu_seqlens`` holds a token (one host read of cu), else the pack
     without its empty ones. Tokens are untouched: only the state rows of the dropped sequences change,
     and for those the recurrence is the identity (``final = initial``; ``d initial = d final``)."""
-    lens = (cu[1:] - cu[:-1]).cpu()
+    host = cu_cache.host_copy(cu)
+    lens = host[1:] - host[:-1]
     if bool((lens > 0).all()):
         return None
     keep = torch.nonzero(lens > 0).flatten().to(cu.device)

@@ -6,18 +6,22 @@ model and optimizer, runs three steps to warm up, then records ``--profile-steps
 the step's wall time, the span of its kernels, the time some kernel ran (busy) and the time the GPU
 sat idle inside the span; the CUDA kernels grouped as the GDN layers', the attention layers' and the
 rest (by the name of the module that launched them is not known to the profiler, so by kernel name,
-see ``GROUPS``); the top kernels; and the host calls that wait for the GPU (``cudaStreamSynchronize``,
-``cudaMemcpy``..., ``aten::item`` / ``_local_scalar_dense``) with their counts per step.
+see ``GROUPS``); the top kernels; the host calls that wait for the GPU (``cudaStreamSynchronize``,
+``cudaMemcpy``..., ``aten::item`` / ``_local_scalar_dense``) with their counts per step, and the Python
+frames they were called from.
 
     python3 scripts/profile_finetune.py --model DIR --device cuda --dtype bfloat16 --seq-len 8192 --train all
 """
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +50,31 @@ def group_of(name: str) -> str:
         if any(k.lower() in low for k in keys):
             return group
     return "other (elementwise, copies, loss, optimizer)"
+
+
+def sync_sources(fn) -> collections.Counter:
+    """Run ``fn`` with CUDA sync debugging on; count each synchronising call by its Python call site
+    (the innermost frames outside torch)."""
+    counts = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [fr for fr in traceback.extract_stack()[:-1]
+                  if "/torch/" not in fr.filename and "warnings.py" not in fr.filename]
+        counts[" <- ".join(f"{os.path.basename(fr.filename)}:{fr.lineno} {fr.name}" for fr in frames[::-1][:4])] += 1
+
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            fn()
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = show
+    return counts
 
 
 def main(argv=None):
@@ -78,6 +107,7 @@ def main(argv=None):
                 step(3 + i)
                 sync()
             walls.append(time.perf_counter() - t0)
+    sources = sync_sources(lambda: step(3 + steps)) if ctx.device.type == "cuda" else collections.Counter()
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     med, top = analyse(path, steps)
@@ -97,6 +127,10 @@ def main(argv=None):
             print(f"| {us / 1e3:.3f} | {name[:110]} |")
         print("\nhost calls that wait for the GPU, per step: "
               + (", ".join(f"{k} {v:.0f}" for k, v in sorted(waits.items())) or "none"))
+        print("\nwhere one step's syncs come from (torch.cuda.set_sync_debug_mode('warn'); count <- innermost "
+              "frames outside torch):")
+        for where, n in sources.most_common(15):
+            print(f"- {n} x {where}")
         cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
         print("\n| self CPU ms/step | calls/step | op |\n|---|---|---|")
         for e in cpu:

@@ -56,6 +56,26 @@ def test_chunk_backend_matches_the_reference_in_bf16(backend, cu):
         assert rel_err(a, b) <= 1e-2, name
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cu_seqlens_buffer_refilled_in_place(backend):
+    """One cu_seqlens buffer refilled for every batch (a loader's reused buffer), int64 on the device:
+    fla's and FlashQLA's caches of chunk offsets are keyed by the tensor's identity, so the backends
+    must see a new tensor after the refill (``cu_cache.as_int64``), or batch 2 runs batch 1's layout.
+    The layer is called as a model would, twice per layout (the second call hits every cache)."""
+    T = 700
+    buf = torch.tensor([0, 100, 100, 257, 700], device="cuda")
+    for layout in ([0, 100, 100, 257, 700], [0, 450, 451, 699, 700], [0, 64, 64, 64, 700]):
+        buf.copy_(torch.tensor(layout))
+        xs, h0, _ = inputs(T, layout, 2, 4, 128, torch.bfloat16, seed=len(layout) + layout[1])
+        for _ in range(2):
+            o, s, grads = run_op(chunk_gated_delta_rule, backend, xs, h0, buf, torch.bfloat16)
+        o_r, s_r, grads_r = run_op(chunk_gated_delta_rule, "torch", [x.float() for x in xs], h0,
+                                   torch.tensor(layout, device="cuda"), torch.float32)
+        assert rel_err(o, o_r) <= 1e-2 and rel_err(s, s_r) <= 1e-2, layout
+        for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], grads, grads_r):
+            assert rel_err(a, b) <= 1e-2, (layout, name)
+
+
 def test_fla_chunk_in_fp32_with_dk_64():
     if "fla" not in BACKENDS:
         pytest.skip("fla not importable")

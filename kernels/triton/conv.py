@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import cu_cache
+
 # Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
 BLOCK_T = 32
@@ -282,10 +284,13 @@ def _compute_dtype(*tensors):
 
 
 def _seq_index(cu, T, device):
-    """Per-token sequence index of a pack (the last n with cu[n] <= t: empty segments are skipped), on device."""
+    """Per-token sequence index of a pack (the last n with cu[n] <= t: empty segments are skipped), on
+    device; computed once per ``cu`` tensor and T (``cu_cache``), shared by the forward and backward
+    of every conv that sees this pack."""
     if cu is None:
         return None
-    return torch.searchsorted(cu, torch.arange(T, device=device, dtype=cu.dtype), right=True, out_int32=True) - 1
+    return cu_cache.derived(cu, ("conv_seq_index", T, str(device)), lambda: torch.searchsorted(
+        cu, torch.arange(T, device=device, dtype=cu.dtype), right=True, out_int32=True) - 1)
 
 
 def _strides3(t):

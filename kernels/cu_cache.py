@@ -1,0 +1,96 @@
+"""What the kernels derive from one ``cu_seqlens`` tensor, computed once per tensor instead of per call.
+
+A model runs every GatedDeltaNet layer of a step on the same packed batch, so the same ``cu_seqlens``
+reaches each layer's forward and backward. What the backends derive from it (its int64 copy on the
+device, its values on the host, fla's chunk index, FlashQLA's varlen metadata, the compaction of empty
+segments, the conv's per-token sequence index) was recomputed at every call, and the host reads among
+them are device syncs: 4 per layer per step, which left the GPU idle most of a fine-tuning step of a
+small model (docs/performance.md, "fine-tuning"). Here each is built once per tensor and reused while
+that tensor lives and is not changed in place.
+
+Cache key: the tensor's identity (``id`` plus a weak reference, so an entry leaves with its tensor)
+and its version counter (an in-place change rebuilds). Treat ``cu_seqlens`` and what ``derived``
+returns as read-only; a change through ``.data`` (which bypasses the version counter) is not seen.
+Under ``torch.compile`` tracing nothing is cached (``build`` runs each time).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+# id(tensor) -> (weak reference to it, its version counter when cached, {key: value})
+_CACHE: dict[int, tuple] = {}
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:     # inference tensors keep no version counter: cached once
+        return None
+
+
+def derived(cu: torch.Tensor, key: Any, build: Callable[[], Any]) -> Any:
+    """``build()``, computed once per ``(cu, key)`` while ``cu`` lives unchanged.
+
+    Args:
+        cu: the tensor the value is derived from (any device; typically ``cu_seqlens``).
+        key: hashable name of the derived value (include every other input it depends on, e.g. T).
+        build: computes the value from ``cu`` (and the inputs named in ``key``). The value must not
+            hold ``cu`` itself (the entry would keep its own tensor alive and never leave).
+    """
+    if torch.compiler.is_compiling():
+        return build()
+    k = id(cu)
+    version = _version(cu)
+    entry = _CACHE.get(k)
+    if entry is None or entry[0]() is not cu or entry[1] != version:
+        def forget(ref, k=k):
+            hit = _CACHE.get(k)
+            if hit is not None and hit[0] is ref:
+                del _CACHE[k]
+
+        entry = (weakref.ref(cu, forget), version, {})
+        _CACHE[k] = entry
+    values = entry[2]
+    if key not in values:
+        values[key] = build()
+    return values[key]
+
+
+def remember(cu: torch.Tensor, key: Any, value: Any) -> None:
+    """Store a value of ``cu`` known without computing it (e.g. the host copy a CPU caller handed in)."""
+    derived(cu, key, lambda: value)
+
+
+def host_copy(cu: torch.Tensor) -> torch.Tensor:
+    """``cu`` on the CPU: one device-to-host copy (a sync on accelerators) per tensor, not per call."""
+    if cu.device.type == "cpu":
+        return cu            # (never stored: an entry must not hold its own tensor, or it never leaves)
+    return derived(cu, "host", lambda: cu.detach().cpu())
+
+
+def as_int64(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``cu`` as int64 on ``device``, one shared copy per tensor and version.
+
+    On the CPU an int64 ``cu`` comes back as is. On an accelerator the result is always a copy made
+    for this version of ``cu``: fla's and FlashQLA's own caches of what they derive from cu_seqlens
+    (chunk offsets, indices) are keyed by the tensor's identity alone, so a caller that refills one
+    cu_seqlens buffer in place for every batch would get the previous batch's chunk layout from them.
+    A new version gets a new copy, and their caches miss. A CPU ``cu`` also gives its values as the
+    copy's ``host_copy``, so no call reads them back from the device.
+    """
+    device = torch.device(device)
+    if device.type == "cpu" and cu.dtype == torch.int64 and cu.device.type == "cpu":
+        return cu
+
+    def convert():
+        out = cu.detach().to(device=device, dtype=torch.int64, copy=True)
+        if cu.device.type == "cpu" and out.device.type != "cpu":
+            remember(out, "host", cu.detach().to(torch.int64, copy=True))
+        return out
+    return derived(cu, ("int64", str(device)), convert)
+
+
+__all__ = ["derived", "remember", "host_copy", "as_int64"]
