@@ -11,7 +11,9 @@ that tensor lives and is not changed in place.
 Cache key: the tensor's identity (``id`` plus a weak reference, so an entry leaves with its tensor)
 and its version counter (an in-place change rebuilds). Treat ``cu_seqlens`` and what ``derived``
 returns as read-only; a change through ``.data`` (which bypasses the version counter) is not seen.
-Under ``torch.compile`` tracing nothing is cached (``build`` runs each time).
+Nothing is cached (``build`` runs each time, as before this cache) for inference tensors (made under
+``torch.inference_mode``: they have no version counter, so a refill could not be seen), while
+``torch.compile`` traces, or during a CUDA graph capture.
 """
 from __future__ import annotations
 
@@ -27,8 +29,14 @@ _CACHE: dict[int, tuple] = {}
 def _version(t: torch.Tensor):
     try:
         return t._version
-    except RuntimeError:     # inference tensors keep no version counter: cached once
+    except RuntimeError:     # inference tensors keep no version counter: never cached (a refill is unseen)
         return None
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph capture is underway: what is built now lives in the graph's memory pool, which a
+    replay may overwrite, so it is not kept."""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def derived(cu: torch.Tensor, key: Any, build: Callable[[], Any]) -> Any:
@@ -40,10 +48,10 @@ def derived(cu: torch.Tensor, key: Any, build: Callable[[], Any]) -> Any:
         build: computes the value from ``cu`` (and the inputs named in ``key``). The value must not
             hold ``cu`` itself (the entry would keep its own tensor alive and never leave).
     """
-    if torch.compiler.is_compiling():
+    version = _version(cu)
+    if version is None or torch.compiler.is_compiling() or _capturing(cu):
         return build()
     k = id(cu)
-    version = _version(cu)
     entry = _CACHE.get(k)
     if entry is None or entry[0]() is not cu or entry[1] != version:
         def forget(ref, k=k):
