@@ -72,6 +72,15 @@ for spec in "$@"; do
                    python3 -c "import json, statistics as s; r=[json.loads(l)['tokens_per_s'] for l in open('/tmp/$name/log.jsonl')][5:]; print('$name tokens/s median of steps 6..', len(r) + 5, round(s.median(r)), 'min', round(min(r)), 'max', round(max(r)))" | tee -a "$OUT/$name.log" ;;
     prof_ft)       step "$name" "$t" python3 "$R/scripts/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ;;
+    # the same job on two GPUs of one host (target 5 proper): the hybrid under Ulysses sp = 2, the hybrid
+    # and the attention model data-parallel (dp = 2, one sequence per GPU); tokens/s counts both GPUs
+    ft2_sp|ft2_dp|ft2_attn)
+                   sp=1; lay=odd; [ "$name" = ft2_sp ] && sp=2; [ "$name" = ft2_attn ] && lay=none
+                   step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/finetune.py" --model /tmp/smollm2 \
+                        --data "$R/.device/fortunes" --device cuda --dtype bfloat16 --backend auto --layers "$lay" --sp "$sp" \
+                        --train all --seq-len "${FT_T:-32768}" --steps "${FT_STEPS:-12}" --eval-tokens "${FT_T:-32768}" \
+                        --save-every 1000 --out "/tmp/$name"
+                   python3 -c "import json, statistics as s; r=[json.loads(l)['tokens_per_s'] for l in open('/tmp/$name/log.jsonl')][5:]; print('$name tokens/s median of steps 6..', len(r) + 5, round(s.median(r)), 'min', round(min(r)), 'max', round(max(r)))" | tee -a "$OUT/$name.log" ;;
     half_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 --k-heads 8 --v-heads 16 ;;
     full_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 ;;
     *)             echo "unknown step $name" ;;
