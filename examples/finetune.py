@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> dict:
     if lead:
         orig = state["eval_original"]
         print(f"{summary}\nheld-out loss before fine-tuning (step 0): {state['evals'][0]:.4f}"
-              + (f" (the original model, softmax attention in every layer: {orig:.4f})" if orig is not None else ""),
+              + (f" (the model before conversion, softmax attention in every layer: {orig:.4f})" if orig is not None else ""),
               flush=True)
 
     log = open(log_path, "a" if args.resume else "w") if lead else None

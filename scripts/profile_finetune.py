@@ -5,15 +5,17 @@ model and optimizer, runs three steps to warm up, then records ``--profile-steps
 ``torch.profiler`` (CPU and CUDA, a device sync after each). Prints (rank 0; median over the steps, ms):
 the step's wall time, the span of its kernels, the time some kernel ran (busy) and the time the GPU
 sat idle inside the span; the CUDA kernels grouped as the GDN layers', the attention layers' and the
-rest (by the name of the module that launched them is not known to the profiler, so by kernel name,
-see ``GROUPS``); the top kernels; the host calls that wait for the GPU (``cudaStreamSynchronize``,
-``cudaMemcpy``..., ``aten::item`` / ``_local_scalar_dense``) with their counts per step, and the Python
-frames they were called from.
+rest by kernel name (the profiler does not record which module launched a kernel; see ``GROUPS``);
+the top kernels; the host calls that wait for the GPU (``cudaStreamSynchronize``, ``cudaMemcpy``...,
+``aten::item`` / ``_local_scalar_dense``) with their counts per step, and the Python frames of one
+step's device syncs.
 
-    python3 scripts/profile_finetune.py --model DIR --device cuda --dtype bfloat16 --seq-len 8192 --train all
+    python3 scripts/profile_finetune.py --model DIR --device cuda --dtype bfloat16 --seq-len 8192 --train all \
+        [--profile-steps 5]
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import statistics
@@ -79,12 +81,19 @@ def sync_sources(fn) -> collections.Counter:
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    steps = 5
-    if "--profile-steps" in argv:
-        i = argv.index("--profile-steps")
-        steps = int(argv[i + 1])
-        del argv[i:i + 2]
-    args = finetune.parse_args(argv)
+    own = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False,
+                                  epilog="Every other argument is examples/finetune.py's (its options follow).")
+    own.add_argument("--profile-steps", type=int, default=5, help="steps recorded after 3 warm-up steps")
+    own.add_argument("-h", "--help", action="store_true")
+    mine, rest = own.parse_known_args(argv)
+    if mine.help:
+        own.print_help()
+        print()
+        finetune.parse_args(["--help"])
+    if mine.profile_steps < 1:
+        raise ValueError(f"--profile-steps must be >= 1, got {mine.profile_steps}")
+    steps = mine.profile_steps
+    args = finetune.parse_args(rest)
     ctx = finetune.setup_distributed(args.sp, args.device, args.cp)
     model, params, _, train, _, _, summary = finetune.build(args, ctx)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -128,7 +137,7 @@ def main(argv=None):
         print("\nhost calls that wait for the GPU, per step: "
               + (", ".join(f"{k} {v:.0f}" for k, v in sorted(waits.items())) or "none"))
         print("\nwhere one step's syncs come from (torch.cuda.set_sync_debug_mode('warn'); count <- innermost "
-              "frames outside torch):")
+              "frames outside torch):" + ("" if sources else " not counted (CUDA only)"))
         for where, n in sources.most_common(15):
             print(f"- {n} x {where}")
         cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
