@@ -63,7 +63,10 @@ def derived(cu: torch.Tensor, key: Any, build: Callable[[], Any]) -> Any:
         _CACHE[k] = entry
     values = entry[2]
     if key not in values:
-        values[key] = build()
+        # a value built under inference_mode would be an inference tensor, kept for later calls that
+        # autograd records (a training step after an eval pass on the same cu), which cannot save it
+        with torch.inference_mode(False):
+            values[key] = build()
     return values[key]
 
 

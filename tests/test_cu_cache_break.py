@@ -1,0 +1,48 @@
+"""kernels/cu_cache.py under attack: the ways a cu_seqlens tensor can change or be reused while the cache
+holds what was derived from it. Each case compares against what an uncached computation gives (a
+fresh clone of the values, or the float64 torch reference)."""
+import pytest
+import torch
+
+from gdn_layer import GatedDeltaNet
+from gdn_layer.kernels import check_cu_seqlens, cu_cache, ops
+
+
+def _layer(seed=0):
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(32, 2, 4, 16, 8, backend="torch")
+    with torch.no_grad():
+        layer.conv1d.weight.normal_(0, 0.5)
+    return layer
+
+
+def test_an_inference_mode_pass_does_not_break_training_on_the_same_cu():
+    # an evaluation under inference_mode, then training with the same (normal) cu_seqlens tensor:
+    # what the eval pass derived from cu must not come back as inference tensors, which autograd
+    # refuses to save for backward
+    layer = _layer()
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    x = torch.randn(1, 12, 32)
+    with torch.inference_mode():
+        y_eval = layer(x, cu_seqlens=cu)
+    assert not check_cu_seqlens(cu, 12).is_inference()
+    xg = x.clone().requires_grad_(True)
+    y = layer(xg, cu_seqlens=cu)
+    y.sum().backward()
+    xr = x.clone().requires_grad_(True)
+    y_ref = layer(xr, cu_seqlens=cu.clone())        # a fresh tensor: nothing cached for it
+    y_ref.sum().backward()
+    assert torch.allclose(y, y_ref, atol=1e-6) and torch.allclose(y_eval, y_ref, atol=1e-6)
+    assert torch.allclose(xg.grad, xr.grad, atol=1e-6)
+
+
+def test_dense_pack_made_first_under_inference_mode_still_knows_its_host_values():
+    # _dense_cu keeps its tensor across calls (lru_cache): one made under inference_mode would be an
+    # inference tensor for good, with nothing recorded for it (no version counter), so every later
+    # dense call would read it back from the device (meta: no values to read)
+    ops._dense_cu.cache_clear()
+    with torch.inference_mode():
+        a = ops._dense_cu(3, 7, torch.device("meta"))
+        assert cu_cache.host_copy(a).tolist() == [0, 7, 14, 21]
+    assert ops._dense_cu(3, 7, torch.device("meta")) is a and not a.is_inference()
+    assert cu_cache.host_copy(a).tolist() == [0, 7, 14, 21]
