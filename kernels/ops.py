@@ -101,7 +101,7 @@ def _dense_cu(B: int, T: int, device: torch.device) -> torch.Tensor:
     that shape, and nothing reads it back from the device."""
     with torch.inference_mode(False):    # kept for later calls: not an inference tensor, which is never cached
         cu = torch.arange(0, B * T + 1, T, device=device, dtype=torch.int64)
-        cu_cache.remember(cu, "host", torch.arange(0, B * T + 1, T, dtype=torch.int64))
+        cu_cache.remember(cu, "host", torch.arange(0, B * T + 1, T, dtype=torch.int64, device="cpu"))
     return cu
 
 

@@ -46,3 +46,13 @@ def test_dense_pack_made_first_under_inference_mode_still_knows_its_host_values(
         assert cu_cache.host_copy(a).tolist() == [0, 7, 14, 21]
     assert ops._dense_cu(3, 7, torch.device("meta")) is a and not a.is_inference()
     assert cu_cache.host_copy(a).tolist() == [0, 7, 14, 21]
+
+
+def test_dense_pack_host_values_stay_on_the_host_under_a_default_device():
+    # torch.set_default_device("cuda") (or `with torch.device(...)`) is common in training scripts: the
+    # recorded host values must still be on the CPU, or every host read of them is a device read
+    ops._dense_cu.cache_clear()
+    with torch.device("meta"):
+        a = ops._dense_cu(2, 3, torch.device("meta"))
+    host = cu_cache.host_copy(a)
+    assert host.device.type == "cpu" and host.tolist() == [0, 3, 6]
