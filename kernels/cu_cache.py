@@ -9,7 +9,8 @@ small model (docs/performance.md, "fine-tuning"). Here each is built once per te
 that tensor lives and is not changed in place.
 
 Cache key: the tensor's identity (``id`` plus a weak reference, so an entry leaves with its tensor)
-and its version counter (an in-place change rebuilds). Treat ``cu_seqlens`` and what ``derived``
+and its version counter (an in-place change rebuilds). At most the ``_MAX_ENTRIES`` most recently used
+tensors keep entries (a caller holding many packs alive does not hold what was derived from each). Treat ``cu_seqlens`` and what ``derived``
 returns as read-only; a change through ``.data`` (which bypasses the version counter) is not seen.
 Nothing is cached (``build`` runs each time, as before this cache) for inference tensors (made under
 ``torch.inference_mode``: they have no version counter, so a refill could not be seen), while
@@ -18,12 +19,18 @@ Nothing is cached (``build`` runs each time, as before this cache) for inference
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 
-# id(tensor) -> (weak reference to it, its version counter when cached, {key: value})
-_CACHE: dict[int, tuple] = {}
+# id(tensor) -> (weak reference to it, its version counter when cached, {key: value}), least recently
+# used first
+_CACHE: OrderedDict[int, tuple] = OrderedDict()
+# Tensors kept at most. A step uses a few (the caller's cu_seqlens, its int64 copy, dense-pack
+# boundaries); a caller that keeps many alive (stored packs reused every epoch) would otherwise keep
+# what was derived from each (on the device: a [T] index per pack) for as long. A dropped one is rebuilt.
+_MAX_ENTRIES = 64
 
 
 def _version(t: torch.Tensor):
@@ -60,7 +67,18 @@ def derived(cu: torch.Tensor, key: Any, build: Callable[[], Any]) -> Any:
                 del _CACHE[k]
 
         entry = (weakref.ref(cu, forget), version, {})
+        _CACHE.pop(k, None)
         _CACHE[k] = entry
+        while len(_CACHE) > _MAX_ENTRIES:
+            try:
+                _CACHE.popitem(last=False)
+            except KeyError:     # emptied meanwhile (another thread, or a weakref callback)
+                break
+    else:
+        try:
+            _CACHE.move_to_end(k)
+        except KeyError:
+            pass
     values = entry[2]
     if key not in values:
         # a value built under inference_mode would be an inference tensor, kept for later calls that

@@ -56,3 +56,29 @@ def test_dense_pack_host_values_stay_on_the_host_under_a_default_device():
         a = ops._dense_cu(2, 3, torch.device("meta"))
     host = cu_cache.host_copy(a)
     assert host.device.type == "cpu" and host.tolist() == [0, 3, 6]
+
+
+def test_many_live_cu_tensors_do_not_grow_the_cache_without_bound():
+    # a dataset of stored packs (the same cu tensor objects every epoch, e.g. a map-style dataset read
+    # with num_workers=0) keeps every cu alive: what was derived from each (on a GPU: the int64 copy,
+    # the conv's [T] sequence index, fla's chunk index) must not stay with all of them
+    from gdn_layer.kernels.triton import conv
+    gen = torch.Generator().manual_seed(0)
+    T = 64
+    hot = torch.tensor([0, 20, 64], dtype=torch.int32)           # the pack every step sees
+    hot_copy = check_cu_seqlens(hot, T)
+    packs = []
+    for i in range(600):
+        inner = torch.randint(0, T + 1, (3,), generator=gen).sort().values
+        cu = torch.cat([torch.tensor([0]), inner, torch.tensor([T])]).to(torch.int32)
+        packs.append(cu)
+        x = check_cu_seqlens(cu, T)
+        assert conv._seq_index(x, T, x.device).tolist() == (
+            torch.searchsorted(cu.long(), torch.arange(T), right=True) - 1).tolist()
+        assert check_cu_seqlens(hot, T) is hot_copy                # still kept while in use
+    assert len(cu_cache._CACHE) <= 200
+    for cu in packs[:5]:                                          # dropped ones are rebuilt, right
+        x = check_cu_seqlens(cu, T)
+        assert x.tolist() == cu.tolist()
+        assert conv._seq_index(x, T, x.device).tolist() == (
+            torch.searchsorted(cu.long(), torch.arange(T), right=True) - 1).tolist()
