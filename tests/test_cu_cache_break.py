@@ -82,3 +82,61 @@ def test_many_live_cu_tensors_do_not_grow_the_cache_without_bound():
         assert x.tolist() == cu.tolist()
         assert conv._seq_index(x, T, x.device).tolist() == (
             torch.searchsorted(cu.long(), torch.arange(T), right=True) - 1).tolist()
+
+
+def _refilled_by_broadcast(rank, world_size):
+    # rank 0 builds each batch's boundaries and broadcasts them into every rank's cu_seqlens buffer:
+    # torch.distributed's collectives write without bumping the buffer's version counter
+    import torch.distributed as dist
+    from gdn_layer.kernels.triton import conv
+    layer = _layer()
+    buf = torch.zeros(4, dtype=torch.int32)
+    T = 12
+    got = []
+    for lay in ([0, 3, 7, 12], [0, 6, 6, 12], [0, 1, 11, 12]):
+        if rank == 0:
+            buf.copy_(torch.tensor(lay))
+        dist.broadcast(buf, 0)
+        x = check_cu_seqlens(buf, T)
+        assert buf.tolist() == lay
+        ok = [x.tolist() == lay,
+              conv._seq_index(x, T, x.device).tolist() == (
+                  torch.searchsorted(torch.tensor(lay), torch.arange(T), right=True) - 1).tolist()]
+        xs = torch.randn(1, T, 32, generator=torch.Generator().manual_seed(len(got)))
+        ok.append(torch.allclose(layer(xs, cu_seqlens=buf), layer(xs, cu_seqlens=torch.tensor(lay)), atol=1e-6))
+        got.append(ok)
+    return got
+
+
+def test_a_cpu_buffer_refilled_by_a_collective_is_seen():
+    from dist_utils import run_distributed
+    for rank_result in run_distributed(_refilled_by_broadcast, 2, timeout=120):
+        assert rank_result == [[True, True, True]] * 3
+
+
+@pytest.mark.parametrize("how", ["numpy", "data_copy", "data_assign"])
+def test_a_cpu_buffer_written_past_its_version_counter_is_seen(how):
+    # writes the version counter does not see (a numpy view, .data): on the CPU the
+    # values are compared instead (no device read), so nothing stale comes back
+    from gdn_layer.kernels.triton import conv
+    cu = torch.tensor([0, 3, 7, 12], dtype=torch.int32)
+    lay = [0, 6, 6, 12]
+    first = check_cu_seqlens(cu, 12)
+    meta_first = cu_cache.as_int64(cu, torch.device("meta"))
+    version = cu._version
+    if how == "numpy":
+        cu.numpy()[:] = lay
+    elif how == "data_copy":
+        cu.data.copy_(torch.tensor(lay))
+    else:
+        cu.data = torch.tensor(lay, dtype=torch.int32)
+    assert cu._version == version and cu.tolist() == lay          # unseen by the version counter
+    assert first.tolist() == [0, 3, 7, 12]                        # what was handed out is untouched
+    x = check_cu_seqlens(cu, 12)
+    assert x.tolist() == lay
+    assert cu_cache.host_copy(cu_cache.as_int64(cu, torch.device("meta"))).tolist() == lay
+    assert cu_cache.host_copy(meta_first).tolist() == [0, 3, 7, 12]
+    i64 = torch.tensor([0, 2, 12])                                # an int64 cu: the conv's index keys on it
+    assert conv._seq_index(i64, 12, i64.device)[:4].tolist() == [0, 0, 1, 1]
+    i64.numpy()[1] = 4
+    assert conv._seq_index(i64, 12, i64.device)[:4].tolist() == [0, 0, 0, 0]
