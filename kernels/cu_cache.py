@@ -84,7 +84,7 @@ def derived(cu: torch.Tensor, key: Any, build: Callable[[], Any]) -> Any:
         def forget(ref, k=k):
             hit = _CACHE.get(k)
             if hit is not None and hit[0] is ref:
-                del _CACHE[k]
+                _CACHE.pop(k, None)     # (evicted meanwhile by another thread: nothing to do)
 
         entry = (weakref.ref(cu, forget), version, {}, _snapshot(cu))
         _CACHE.pop(k, None)
