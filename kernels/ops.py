@@ -99,8 +99,9 @@ def _dense_cu(B: int, T: int, device: torch.device) -> torch.Tensor:
     """``[0, T, 2T, ..., B*T]`` on ``device``, one read-only tensor per shape with its host values
     recorded (``cu_cache``): the backends' per-``cu_seqlens`` caches then hit for every dense call of
     that shape, and nothing reads it back from the device."""
-    cu = torch.arange(0, B * T + 1, T, device=device, dtype=torch.int64)
-    cu_cache.remember(cu, "host", torch.arange(0, B * T + 1, T, dtype=torch.int64))
+    with torch.inference_mode(False):    # kept for later calls: not an inference tensor, which is never cached
+        cu = torch.arange(0, B * T + 1, T, device=device, dtype=torch.int64)
+        cu_cache.remember(cu, "host", torch.arange(0, B * T + 1, T, dtype=torch.int64, device="cpu"))
     return cu
 
 
