@@ -2,10 +2,11 @@
 
 A model runs every GatedDeltaNet layer of a step on the same packed batch, so the same ``cu_seqlens``
 reaches each layer's forward and backward. What the backends derive from it (its int64 copy on the
-device, its values on the host, fla's chunk index, FlashQLA's varlen metadata, the compaction of empty
-segments, the conv's per-token sequence index) was recomputed at every call, and the host reads among
-them are device syncs: 4 per layer per step, which left the GPU idle most of a fine-tuning step of a
-small model (docs/performance.md, "fine-tuning"). Here each is built once per tensor and reused while
+device, its values on the host, fla's chunk index, the compaction of empty segments for FlashQLA, the
+conv's per-token sequence index) was recomputed at every call, and the host reads among them are
+device syncs: 4 per GatedDeltaNet layer per training step, which kept the GPU waiting in a fine-tuning
+step of a small model (docs/performance.md, "Fine-tuning"). One shared int64 copy also lets fla's and
+FlashQLA's own identity-keyed caches hit across layers. Here each is built once per tensor and reused while
 that tensor lives and is not changed in place.
 
 Cache key: the tensor's identity (``id`` plus a weak reference, so an entry leaves with its tensor)
