@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gdn_layer.kernels import cu_cache
 from gdn_layer.layer import GatedDeltaNet
 from gdn_layer.state import GDNState
 
@@ -156,7 +157,10 @@ class HFGatedDeltaNet(GatedDeltaNet):
         if cu_seqlens is None and T > 1 and (seq_idx is not None or position_ids is not None):
             starts = self._sequence_starts(seq_idx, position_ids, mask, B, T, cache)
             if starts is not None:  # several sequences in a row: all rows as one packed batch
-                cu_seqlens = torch.cat([torch.nonzero(starts.reshape(-1))[:, 0], torch.tensor([B * T])])
+                # one tensor for every layer of this forward (starts is shared the same way): what the
+                # kernels derive from it (cu_cache, fla's and FlashQLA's caches) is then built once
+                cu_seqlens = cu_cache.derived(starts, ("hf_cu_seqlens", B, T), lambda: torch.cat(
+                    [torch.nonzero(starts.reshape(-1))[:, 0], torch.tensor([B * T])]))
                 y = super().forward(hidden_states.reshape(1, B * T, -1), cu_seqlens=cu_seqlens)
                 return y.reshape(B, T, -1)
         if cache is None:

@@ -116,6 +116,23 @@ def test_position_ids_are_read_once_per_forward_not_once_per_layer(swapped, monk
     assert len(calls) == 2
 
 
+def test_every_layer_of_a_forward_gets_the_same_cu_seqlens(swapped, monkeypatch):
+    # the kernels' per-cu_seqlens caches (kernels/cu_cache.py; fla's and FlashQLA's, by identity) only
+    # hit across layers when the layers are handed one tensor, not an equal new one each
+    seen = []
+    real = GatedDeltaNet.forward
+
+    def spy(self, x, cu_seqlens=None, **kw):
+        seen.append(cu_seqlens)
+        return real(self, x, cu_seqlens=cu_seqlens, **kw)
+    monkeypatch.setattr(GatedDeltaNet, "forward", spy)
+    ids, pos, _ = packed_row(seed=4)
+    logits(swapped, ids, position_ids=pos)
+    assert len(seen) == 2 and seen[0] is seen[1] and seen[0].tolist() == [0, 5, 12]
+    logits(swapped, ids, position_ids=pos.clone())       # a new forward: new boundaries, same values
+    assert len(seen) == 4 and seen[2] is seen[3] and seen[2].tolist() == [0, 5, 12]
+
+
 def test_packed_position_ids_with_a_cache_raise_instead_of_leaking():
     torch.manual_seed(0)
     model = slow_decay(qwen3_5()).eval()
