@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_layer.kernels import cu_cache
 from gdn_layer.layer import GatedDeltaNet
 from gdn_layer.state import GDNState
 
@@ -77,9 +76,9 @@ _POSITION_KEY = "gdn_position_ids"  # how the parent layer's position_ids reach 
 
 
 class _LastBoundaries:
-    """The sequence starts found for the last tensors asked about: every layer of one forward gets the
-    same ``position_ids`` / ``seq_idx`` / mask objects, so reading them on the host (a sync on
-    accelerators) happens once per forward, not once per layer."""
+    """The packed ``cu_seqlens`` found for the last tensors asked about: every layer of one forward gets
+    the same ``position_ids`` / ``seq_idx`` / mask objects, so reading them on the host (a sync on
+    accelerators) happens once per forward, not once per layer, and every layer gets one tensor."""
 
     def __init__(self):
         self.key, self.refs, self.value = None, (), None
@@ -125,6 +124,13 @@ def _row_starts(seq_idx, position_ids, mask, batch: int, length: int) -> torch.T
     return torch.cat([torch.ones(batch, 1, dtype=torch.bool), inside], 1)
 
 
+def _starts_to_cu(starts: torch.Tensor | None) -> torch.Tensor | None:
+    """Bool ``[B, T]`` sequence starts -> the ``cu_seqlens`` of the ``B * T`` tokens as one pack."""
+    if starts is None:
+        return None
+    return torch.cat([torch.nonzero(starts.reshape(-1))[:, 0], torch.tensor([starts.numel()])])
+
+
 class HFGatedDeltaNet(GatedDeltaNet):
     """A ``GatedDeltaNet`` that speaks transformers' block interface (used by ``swap_gated_deltanet``).
 
@@ -155,12 +161,8 @@ class HFGatedDeltaNet(GatedDeltaNet):
             hidden_states = (hidden_states * mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)
         B, T = hidden_states.shape[:2]
         if cu_seqlens is None and T > 1 and (seq_idx is not None or position_ids is not None):
-            starts = self._sequence_starts(seq_idx, position_ids, mask, B, T, cache)
-            if starts is not None:  # several sequences in a row: all rows as one packed batch
-                # one tensor for every layer of this forward (starts is shared the same way): what the
-                # kernels derive from it (cu_cache, fla's and FlashQLA's caches) is then built once
-                cu_seqlens = cu_cache.derived(starts, ("hf_cu_seqlens", B, T), lambda: torch.cat(
-                    [torch.nonzero(starts.reshape(-1))[:, 0], torch.tensor([B * T])]))
+            cu_seqlens = self._packed_cu_seqlens(seq_idx, position_ids, mask, B, T, cache)
+            if cu_seqlens is not None:  # several sequences in a row: all rows as one packed batch
                 y = super().forward(hidden_states.reshape(1, B * T, -1), cu_seqlens=cu_seqlens)
                 return y.reshape(B, T, -1)
         if cache is None:
@@ -177,8 +179,10 @@ class HFGatedDeltaNet(GatedDeltaNet):
         cache.update_recurrent_state(new.recurrent_state, self.layer_idx)
         return y
 
-    def _sequence_starts(self, seq_idx, position_ids, mask, B, T, cache):
-        """Bool ``[B, T]`` host tensor of sequence starts, or None when every row is one sequence."""
+    def _packed_cu_seqlens(self, seq_idx, position_ids, mask, B, T, cache):
+        """``cu_seqlens`` (CPU int64) of all rows as one pack, or None when every row is one sequence.
+        One tensor for every layer of a forward (``_LAST``), so what the kernels derive from it (their
+        per-``cu_seqlens`` caches) is built once per forward."""
         name = "seq_idx" if seq_idx is not None else "position_ids"
         if self.sp_size > 1:
             # Raised on every rank alike (it depends on no value): a rank's slice of position_ids cannot
@@ -188,11 +192,11 @@ class HFGatedDeltaNet(GatedDeltaNet):
                 "rank holds only its slice, where a boundary at a rank edge is invisible): pass the GLOBAL "
                 "boundaries as cu_seq_lens_q, the same on every rank (torch.tensor([0, T]) for one sequence)")
         tensors = (seq_idx, None, None) if seq_idx is not None else (None, position_ids, mask)
-        starts = _LAST.get(tensors, lambda: _row_starts(*tensors, B, T))
-        if starts is not None and cache is not None:
+        cu = _LAST.get(tensors, lambda: _starts_to_cu(_row_starts(*tensors, B, T)))
+        if cu is not None and cache is not None:
             raise ValueError(f"{name} puts several sequences in one row (a packed batch), but a cache was given, "
                              "which holds one state per row: pass use_cache=False for packed batches")
-        return starts
+        return cu
 
 
 def _pass_position_ids(module, args, kwargs):
