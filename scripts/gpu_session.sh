@@ -25,6 +25,9 @@ step() {  # name timeout command...
   timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - s)) s"; tail -n 25 "$OUT/$name.log"
 }
+tok_s() {  # name: the fine-tune run's median tokens/s over steps 6.. (from /tmp/NAME/log.jsonl)
+  python3 -c "import json, statistics as s; r=[json.loads(l)['tokens_per_s'] for l in open('/tmp/$1/log.jsonl')][5:]; print('$1 tokens/s median of steps 6..', len(r) + 5, round(s.median(r)), 'min', round(min(r)), 'max', round(max(r)))" | tee -a "$OUT/$1.log"
+}
 for spec in "$@"; do
   name=${spec%%:*}; t=${spec#*:}; [ "$t" = "$spec" ] && t=300
   case $name in
@@ -72,7 +75,7 @@ for spec in "$@"; do
                    step "$name" "$t" python3 "$R/examples/finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "$b" --layers "$lay" --train all --seq-len "${FT_T:-8192}" \
                         --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name"
-                   python3 -c "import json, statistics as s; r=[json.loads(l)['tokens_per_s'] for l in open('/tmp/$name/log.jsonl')][5:]; print('$name tokens/s median of steps 6..', len(r) + 5, round(s.median(r)), 'min', round(min(r)), 'max', round(max(r)))" | tee -a "$OUT/$name.log" ;;
+                   tok_s "$name" ;;
     prof_ft)       step "$name" "$t" python3 "$R/scripts/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ;;
     # the same job on two GPUs of one host (target 5 proper): the hybrid under Ulysses sp = 2, the hybrid
@@ -83,7 +86,7 @@ for spec in "$@"; do
                         --data "$R/.device/fortunes" --device cuda --dtype bfloat16 --backend auto --layers "$lay" --sp "$sp" \
                         --train all --seq-len "${FT_T:-32768}" --steps "${FT_STEPS:-12}" --eval-tokens "${FT_T:-32768}" \
                         --save-every 1000 --out "/tmp/$name"
-                   python3 -c "import json, statistics as s; r=[json.loads(l)['tokens_per_s'] for l in open('/tmp/$name/log.jsonl')][5:]; print('$name tokens/s median of steps 6..', len(r) + 5, round(s.median(r)), 'min', round(min(r)), 'max', round(max(r)))" | tee -a "$OUT/$name.log" ;;
+                   tok_s "$name" ;;
     half_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 --k-heads 8 --v-heads 16 ;;
     full_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 ;;
     *)             echo "unknown step $name" ;;

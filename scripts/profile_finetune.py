@@ -58,24 +58,20 @@ def sync_sources(fn) -> collections.Counter:
     """Run ``fn`` with CUDA sync debugging on; count each synchronising call by its Python call site
     (the innermost frames outside torch)."""
     counts = collections.Counter()
-    show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         frames = [fr for fr in traceback.extract_stack()[:-1]
                   if "/torch/" not in fr.filename and "warnings.py" not in fr.filename]
         counts[" <- ".join(f"{os.path.basename(fr.filename)}:{fr.lineno} {fr.name}" for fr in frames[::-1][:4])] += 1
 
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():           # restores showwarning and the filters afterwards
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             fn()
+        finally:
             torch.cuda.set_sync_debug_mode("default")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = show
     return counts
 
 
@@ -119,7 +115,7 @@ def main(argv=None):
     sources = sync_sources(lambda: step(3 + steps)) if ctx.device.type == "cuda" else collections.Counter()
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
-    med, top = analyse(path, steps)
+    med, top = analyse(path)
     groups = {}
     for name, us in top:
         groups[group_of(name)] = groups.get(group_of(name), 0.0) + us

@@ -49,7 +49,7 @@ def intersect_len(a, b):
     return union(a) + union(b) - union(a + b)
 
 
-def analyse(trace_path, nsteps):
+def analyse(trace_path):
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     marks = sorted((e["ts"], int(e["name"][len("gdn_step"):])) for e in events
@@ -154,7 +154,7 @@ def main():
             dist.barrier()
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
-    med, top = analyse(path, args.steps)
+    med, top = analyse(path)
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         with open(path, "rb") as f, gzip.open(os.path.join(args.trace, f"trace_rank{r}.json.gz"), "wb") as g:

@@ -100,21 +100,21 @@ def test_flash_qla_compaction_is_built_once(monkeypatch):
 @pytest.mark.parametrize("refill", [False, True])
 def test_conv_sequence_index_follows_the_values(refill):
     cu = torch.tensor([0, 2, 2, 6])
-    first = conv._seq_index(cu, 6, cu.device)
-    assert conv._seq_index(cu, 6, cu.device) is first
+    first = conv._seq_index(cu, 6)
+    assert conv._seq_index(cu, 6) is first
     assert first.tolist() == [0, 0, 2, 2, 2, 2]
     if refill:
         cu.copy_(torch.tensor([0, 1, 5, 6]))
-        assert conv._seq_index(cu, 6, cu.device).tolist() == [0, 1, 1, 1, 1, 2]
+        assert conv._seq_index(cu, 6).tolist() == [0, 1, 1, 1, 1, 2]
 
 
 def test_inference_tensors_are_never_cached():
     # no version counter: a buffer refilled under inference_mode must still give its new values
     with torch.inference_mode():
         cu = torch.tensor([0, 2, 2, 6])
-        assert conv._seq_index(cu, 6, cu.device).tolist() == [0, 0, 2, 2, 2, 2]
+        assert conv._seq_index(cu, 6).tolist() == [0, 0, 2, 2, 2, 2]
         cu.copy_(torch.tensor([0, 1, 5, 6]))
-        assert conv._seq_index(cu, 6, cu.device).tolist() == [0, 1, 1, 1, 1, 2]
+        assert conv._seq_index(cu, 6).tolist() == [0, 1, 1, 1, 1, 2]
         dev = cu_cache.as_int64(cu, torch.device("meta"))
         cu.copy_(torch.tensor([0, 3, 4, 6]))
         assert cu_cache.as_int64(cu, torch.device("meta")) is not dev

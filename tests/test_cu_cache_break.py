@@ -73,14 +73,14 @@ def test_many_live_cu_tensors_do_not_grow_the_cache_without_bound():
         cu = torch.cat([torch.tensor([0]), inner, torch.tensor([T])]).to(torch.int32)
         packs.append(cu)
         x = check_cu_seqlens(cu, T)
-        assert conv._seq_index(x, T, x.device).tolist() == (
+        assert conv._seq_index(x, T).tolist() == (
             torch.searchsorted(cu.long(), torch.arange(T), right=True) - 1).tolist()
         assert check_cu_seqlens(hot, T) is hot_copy                # still kept while in use
     assert len(cu_cache._CACHE) <= 200
     for cu in packs[:5]:                                          # dropped ones are rebuilt, right
         x = check_cu_seqlens(cu, T)
         assert x.tolist() == cu.tolist()
-        assert conv._seq_index(x, T, x.device).tolist() == (
+        assert conv._seq_index(x, T).tolist() == (
             torch.searchsorted(cu.long(), torch.arange(T), right=True) - 1).tolist()
 
 
@@ -100,7 +100,7 @@ def _refilled_by_broadcast(rank, world_size):
         x = check_cu_seqlens(buf, T)
         assert buf.tolist() == lay
         ok = [x.tolist() == lay,
-              conv._seq_index(x, T, x.device).tolist() == (
+              conv._seq_index(x, T).tolist() == (
                   torch.searchsorted(torch.tensor(lay), torch.arange(T), right=True) - 1).tolist()]
         xs = torch.randn(1, T, 32, generator=torch.Generator().manual_seed(len(got)))
         ok.append(torch.allclose(layer(xs, cu_seqlens=buf), layer(xs, cu_seqlens=torch.tensor(lay)), atol=1e-6))
@@ -137,6 +137,6 @@ def test_a_cpu_buffer_written_past_its_version_counter_is_seen(how):
     assert cu_cache.host_copy(cu_cache.as_int64(cu, torch.device("meta"))).tolist() == lay
     assert cu_cache.host_copy(meta_first).tolist() == [0, 3, 7, 12]
     i64 = torch.tensor([0, 2, 12])                                # an int64 cu: the conv's index keys on it
-    assert conv._seq_index(i64, 12, i64.device)[:4].tolist() == [0, 0, 1, 1]
+    assert conv._seq_index(i64, 12)[:4].tolist() == [0, 0, 1, 1]
     i64.numpy()[1] = 4
-    assert conv._seq_index(i64, 12, i64.device)[:4].tolist() == [0, 0, 0, 0]
+    assert conv._seq_index(i64, 12)[:4].tolist() == [0, 0, 0, 0]

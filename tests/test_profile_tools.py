@@ -43,7 +43,7 @@ def test_analyse_splits_steps_and_separates_nccl_from_compute(tmp_path):
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    med, top = profile_sp.analyse(str(path), 2)
+    med, top = profile_sp.analyse(str(path))
     # medians over the two steps, in ms (trace times are us)
     assert med["span"] == pytest.approx((90 + 110) / 2 / 1e3)
     assert med["nccl"] == pytest.approx(50 / 1e3)

@@ -283,14 +283,14 @@ def _compute_dtype(*tensors):
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _seq_index(cu, T, device):
+def _seq_index(cu, T):
     """Per-token sequence index of a pack (the last n with cu[n] <= t: empty segments are skipped), on
     device; computed once per ``cu`` tensor and T (``cu_cache``), shared by the forward and backward
     of every conv that sees this pack."""
     if cu is None:
         return None
-    return cu_cache.derived(cu, ("conv_seq_index", T, str(device)), lambda: torch.searchsorted(
-        cu, torch.arange(T, device=device, dtype=cu.dtype), right=True, out_int32=True) - 1)
+    return cu_cache.derived(cu, ("conv_seq_index", T), lambda: torch.searchsorted(
+        cu, torch.arange(T, device=cu.device, dtype=cu.dtype), right=True, out_int32=True) - 1)
 
 
 def _strides3(t):
@@ -320,7 +320,7 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
         grid = (triton.cdiv(T, BLOCK_T) * B, triton.cdiv(C, block_c))
         _conv_fwd_kernel[grid](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
-            dummy if cu is None else _seq_index(cu, T, x.device), dummy if cu is None else cu, y,
+            dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, y,
             T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
@@ -363,7 +363,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     dummy = x
     sin, sdf = _strides3(initial_state), _strides3(dfinal)
     flags = dict(W=W, IS_VARLEN=cu is not None, ACC=acc, BLOCK_C=block_c, num_warps=NUM_WARPS)
-    seq_idx = dummy if cu is None else _seq_index(cu, T, x.device)
+    seq_idx = dummy if cu is None else _seq_index(cu, T)
     cu_arg, df_arg = (dummy if cu is None else cu), (dummy if dfinal is None else dfinal)
     if n_prog > 0 and C > 0:
         _conv_dz_kernel[(n_prog, triton.cdiv(C, block_c))](
