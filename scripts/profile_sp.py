@@ -80,7 +80,7 @@ def analyse(trace_path):
 
 def layer_step(args, device):
     from gdn_layer import GatedDeltaNet
-    P, r = dist.get_world_size(), dist.get_rank()
+    P = dist.get_world_size()
     dt = getattr(torch, args.dtype)
     torch.manual_seed(0)
     layer = GatedDeltaNet(args.hidden, args.k_heads, args.v_heads, args.head_dim, args.head_dim,
