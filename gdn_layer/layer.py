@@ -9,78 +9,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from gdn_layer import kernels
-from gdn_layer.kernels import (causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, gdn_gate,
-                               recurrent_gated_delta_rule)
+from gdn_layer.checks import check_config, check_inputs
 from gdn_layer.context_parallel import cp_token_mix
-from gdn_layer.kernels.validation import check_no_nan, skip_value_checks, values_checkable
+from gdn_layer.derived import derived_from_sizes
+from gdn_layer.kernels import causal_conv1d, chunk_gated_delta_rule, gdn_gate, recurrent_gated_delta_rule
+from gdn_layer.kernels.validation import skip_value_checks
 from gdn_layer.norm import GatedRMSNorm
-from gdn_layer.parallel import (digest_of, gather_heads, head_to_seq, partition_heads, project_seq_to_head,
-                                resolve_sp_group, seq_to_head)
-from gdn_layer.parallel.context import agree_across_groups
-from gdn_layer.state import GDNState, check_state
-
-
-_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
-_SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-_FUSED = ("in_proj_qkvz", "in_proj_ba")
-
-
-def _load_either_layout(module, state_dict, prefix, *_):
-    """``load_state_dict`` pre-hook: rewrite the other projection layout's weights into this layer's.
-
-    A pure reordering of rows (exact): split ``in_proj_qkv [q_all | k_all | v_all]``, ``in_proj_z``,
-    ``in_proj_b``, ``in_proj_a`` (Qwen3.5) <-> fused ``in_proj_qkvz``, ``in_proj_ba`` in transformers'
-    per-k-head grouped order, ``[q_h | k_h | v of its r heads | z of its r heads]`` and ``[b | a of its r
-    heads]`` for each k head h (Qwen3-Next). Only a complete set of the other layout's weights with the
-    expected shapes, and none of this layout's, is converted; anything else is left for
-    ``load_state_dict`` to report as missing / unexpected / mismatched.
-    """
-    mine, other = (_SPLIT, _FUSED) if module.projection_layout == "split" else (_FUSED, _SPLIT)
-    keys = [f"{prefix}{name}.weight" for name in other]
-    if any(f"{prefix}{name}.weight" in state_dict for name in mine) or not all(k in state_dict for k in keys):
-        return
-    Hk, Dk, Dv, h = module.num_k_heads, module.head_k_dim, module.head_v_dim, module.hidden_size
-    r = module.num_v_heads // Hk
-    if module.projection_layout == "fused":
-        qkv, z, b, a = (state_dict[k] for k in keys)
-        want = [(2 * Hk * Dk + Hk * r * Dv, h), (Hk * r * Dv, h), (Hk * r, h), (Hk * r, h)]
-        if [tuple(t.shape) for t in (qkv, z, b, a)] != want:
-            return
-        q, k, v = qkv.split([Hk * Dk, Hk * Dk, Hk * r * Dv])
-        new = {"in_proj_qkvz": torch.cat([q.reshape(Hk, Dk, h), k.reshape(Hk, Dk, h), v.reshape(Hk, r * Dv, h),
-                                          z.reshape(Hk, r * Dv, h)], 1).reshape(-1, h),
-               "in_proj_ba": torch.cat([b.reshape(Hk, r, h), a.reshape(Hk, r, h)], 1).reshape(-1, h)}
-    else:
-        qkvz, ba = (state_dict[k] for k in keys)
-        if [tuple(t.shape) for t in (qkvz, ba)] != [(Hk * (2 * Dk + 2 * r * Dv), h), (2 * Hk * r, h)]:
-            return
-        q, k, v, z = qkvz.reshape(Hk, 2 * Dk + 2 * r * Dv, h).split([Dk, Dk, r * Dv, r * Dv], 1)
-        b, a = ba.reshape(Hk, 2 * r, h).split([r, r], 1)
-        new = {"in_proj_qkv": torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)]),
-               "in_proj_z": z.reshape(-1, h), "in_proj_b": b.reshape(-1, h), "in_proj_a": a.reshape(-1, h)}
-    for key in keys:
-        del state_dict[key]
-    state_dict.update({f"{prefix}{name}.weight": t for name, t in new.items()})
-
-
-def _bits_fingerprint(tensors) -> torch.Tensor:
-    """A digest of the exact integer sums of each tensor's raw bit patterns (order-independent)."""
-    with torch.no_grad():
-        bits = (t.detach().contiguous().reshape(-1).view(_SAME_SIZE_INT.get(t.element_size(), torch.uint8))
-                for t in tensors)
-        sums = [b.sum(dtype=torch.int64) for b in bits]
-    return digest_of(torch.stack(sums).cpu()) if sums else digest_of(0)
+from gdn_layer.parallel import (gather_heads, head_to_seq, partition_heads, project_seq_to_head, resolve_sp_group,
+                                seq_to_head)
+from gdn_layer.projection_layouts import load_either_layout
+from gdn_layer.state import GDNState
 
 
 def _is_decode(x: torch.Tensor, cu) -> bool:
@@ -144,20 +82,8 @@ class GatedDeltaNet(nn.Module):
                  conv_kernel_size: int = 4, norm_eps: float = 1e-6, projection_layout: str = "split",
                  sp_group=None, backend: str = "auto", device=None, dtype=None, cp_group=None):
         super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads),
-                            ("num_v_heads", num_v_heads), ("head_k_dim", head_k_dim),
-                            ("head_v_dim", head_v_dim), ("conv_kernel_size", conv_kernel_size)):
-            _positive_int(name, value)
-        if num_v_heads % num_k_heads != 0:
-            raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
-        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
-            raise TypeError(f"norm_eps must be a float, got {type(norm_eps).__name__}")
-        if not 0 < norm_eps < float("inf"):
-            raise ValueError(f"norm_eps must be positive and finite, got {norm_eps}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        if projection_layout not in ("split", "fused"):
-            raise ValueError(f"projection_layout must be 'split' or 'fused', got {projection_layout!r}")
+        check_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, norm_eps,
+                     projection_layout, dtype)
         self.hidden_size, self.num_k_heads, self.num_v_heads = hidden_size, num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -192,7 +118,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
         self.local_conv_dim = 2 * self.heads.k_heads_per_rank * head_k_dim + self.heads.v_heads_per_rank * head_v_dim
         self._feature_index_cache: dict = {}
-        self.register_load_state_dict_pre_hook(_load_either_layout)
+        self.register_load_state_dict_pre_hook(load_either_layout)
         self.reset_parameters()
 
     @classmethod
@@ -239,12 +165,12 @@ class GatedDeltaNet(nn.Module):
         """Per rank: which channels of ``[q_all | k_all | v_all | a | b]`` it owns after the all-to-all.
 
         int64 ``[P, C_local + 2 Hv_local]`` on ``device``, derived from the sizes alone. Built on first use
-        per device and kept in a plain dict, never a buffer: ``to_empty`` (meta-device init) would leave a
-        buffer uninitialised, and neither ``reset_parameters`` nor ``load_state_dict`` would refill it.
+        per device and kept in a plain dict (``gdn_layer.derived.derived_from_sizes``: built outside inference
+        mode, so an eval pass under ``torch.inference_mode`` cannot hand the next training step an inference
+        tensor), never a buffer: ``to_empty`` (meta-device init) would leave a buffer uninitialised, and
+        neither ``reset_parameters`` nor ``load_state_dict`` would refill it.
         """
-        key = (device.type, device.index)
-        index = self._feature_index_cache.get(key)
-        if index is None:
+        def build():
             Dk, Dv, Hv = self.head_k_dim, self.head_v_dim, self.num_v_heads
             rows = []
             for rank in range(self.sp_size):
@@ -254,8 +180,8 @@ class GatedDeltaNet(nn.Module):
                 v_rows = (vh[:, None] * Dv + torch.arange(Dv)).reshape(-1)
                 rows.append(torch.cat([qk_rows, self.key_dim + qk_rows, 2 * self.key_dim + v_rows,
                                        self.conv_dim + vh, self.conv_dim + Hv + vh]))
-            index = self._feature_index_cache[key] = torch.stack(rows).to(device)
-        return index
+            return torch.stack(rows).to(device)
+        return derived_from_sizes(self._feature_index_cache, (device.type, device.index), build)
 
     def __deepcopy__(self, memo):
         """A deep copy that shares the SP (and CP) process group (which cannot be copied or pickled): EMA and
@@ -292,7 +218,7 @@ class GatedDeltaNet(nn.Module):
             TypeError / ValueError naming the argument, before any kernel launch or collective (under SP,
             with value checks on, every rank raises together after one small all-reduce).
         """
-        cu = self._check_inputs(hidden_states, cu_seqlens, state, output_state)
+        cu = check_inputs(self, hidden_states, cu_seqlens, state, output_state)
         # pre-conv [q | k | v | a | b] of this rank's heads for every token (under SP the all-to-all is
         # inside: the projection writes its send buffer), and the output gate z of the local tokens
         mixed, z = self._project(hidden_states)
@@ -313,88 +239,6 @@ class GatedDeltaNet(nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     # forward helpers
-
-    def _check_inputs(self, x, cu_seqlens, state, output_state):
-        """All argument checks; under SP with value checks on, one all-reduce so ranks fail together."""
-        error, cu = None, None
-        try:
-            cu = self._check_local(x, cu_seqlens, state, output_state)
-        except (TypeError, ValueError) as e:
-            error = e
-        # Whether ranks compare notes must not depend on this rank's input (a bad input on one rank
-        # would skip the collective the others wait in): decide by the parameters' device.
-        if self.sp_size * self.cp_size > 1 and values_checkable(self.A_log):
-            # the digest reads cu_seqlens on the host: only when value checks are on
-            state_part = [] if state is None else [
-                _DTYPE_CODE.get(state.conv_state.dtype, 99), _DTYPE_CODE.get(state.recurrent_state.dtype, 99),
-                _bits_fingerprint([state.conv_state, state.recurrent_state])]
-            digest = digest_of(-1) if error is not None else digest_of(
-                *x.shape, _DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
-                *([] if cu is None else [cu.cpu()]), self._weights_fingerprint(), *state_part)
-            agree_across_groups((self.sp_group, self.cp_group), digest, error,
-                                "hidden_states shape/dtype, cu_seqlens, the state (presence, dtype, values) "
-                                "and the layer's weights")
-        if error is not None:
-            raise error
-        return cu
-
-    def _weights_fingerprint(self) -> torch.Tensor:
-        """A digest of the sums of every parameter's raw bit patterns (read as integers): equal on every
-        rank when the weights are bit-identical, different (but for a cancelling coincidence) when any
-        weight differs, e.g. ranks initialised differently, or an optimizer step after a missing
-        ``reduce_sp_grads``, which would otherwise give silently wrong results. Integer sums are exact:
-        no summation order or thread count changes them (a float sum's rounding does). One pass over
-        the weights, no copy."""
-        return _bits_fingerprint(list(self.parameters()))
-
-    def _check_local(self, x, cu_seqlens, state, output_state):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"hidden_states must be [B, T, hidden], got shape {tuple(x.shape)}")
-        if x.shape[0] == 0:
-            raise ValueError("hidden_states has batch size B = 0; pass at least one sequence")
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden_states.shape[-1] must equal hidden_size = {self.hidden_size}, "
-                             f"got {x.shape[-1]}")
-        p = self.out_proj.weight
-        autocast = (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type) and p.dtype == torch.float32
-                    and x.dtype == torch.get_autocast_dtype(x.device.type))
-        if x.dtype != p.dtype and not autocast:
-            raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype}); "
-                            "cast one of them, or run under torch.autocast with that dtype")
-        if x.device != p.device:
-            raise ValueError(f"hidden_states is on {x.device} but the layer's parameters are on {p.device}")
-        if not isinstance(output_state, bool):
-            raise TypeError(f"output_state must be a bool, got {type(output_state).__name__}")
-        B, T_local = x.shape[:2]
-        P = self.sp_size * self.cp_size
-        T = T_local * P
-        cu = None
-        if self.cp_size > 1 and B != 1:
-            raise ValueError(f"with cp_group the batch must be packed into B == 1 (with cu_seqlens), got B = {B}")
-        if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
-            hint = "" if P == 1 else (
-                f"under SP the packed length is the global T = SP size {self.sp_size} x hidden_states.shape[1]: "
-                f"each rank passes its T/P slice (gdn_layer.parallel.shard_sequence), and a T not divisible by "
-                f"the SP size is padded first with gdn_layer.parallel.pad_for_sp") if self.cp_size == 1 else (
-                f"under CP the packed length is the global T = cp size {self.cp_size} x SP size {self.sp_size} x "
-                f"hidden_states.shape[1]: rank (cp c, sp s) passes slice c*{self.sp_size} + s, and a T not "
-                f"divisible by cp*sp = {P} is padded first with "
-                f"gdn_layer.parallel.pad_for_sp(hidden_states, cu_seqlens, {P})")
-            cu = check_cu_seqlens(cu_seqlens, T, device=x.device, length_hint=hint)
-        elif self.cp_size > 1:  # one sequence: the slices still hand its state on
-            cu = torch.tensor([0, T], dtype=torch.int64, device=x.device)
-        n = B if cu is None else cu.numel() - 1
-        check_no_nan("hidden_states", x, finite=True)
-        if state is not None:
-            check_state(state, n, self.conv_dim, self.conv_kernel_size, self.num_v_heads,
-                        self.head_k_dim, self.head_v_dim, x.device, x.dtype)
-            check_no_nan("state.conv_state", state.conv_state, finite=True)
-            check_no_nan("state.recurrent_state", state.recurrent_state, finite=True)
-        return cu
 
     def _checked_already(self):
         """Under SP the inputs were checked (and agreed on) before the all-to-all; value checks inside

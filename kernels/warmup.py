@@ -103,11 +103,17 @@ def _run_jobs(layer, dtype, jobs) -> None:
                 else torch.autocast(device.type, enabled=False))
 
     sdt = torch.float64 if dtype == torch.float64 else torch.float32     # the layer's rule for state dtypes
+    # inputs from a fixed seed of our own, drawn on the CPU: the same on every rank whatever each rank's
+    # global RNG (ranks commonly seed base + rank), since under SP / CP the layer checks that the ranks
+    # pass the same state; and the global RNG is not drawn from
+    gen = torch.Generator().manual_seed(0x6D4)
+
+    def randn(*shape, dtype):
+        return torch.randn(*shape, generator=gen, dtype=dtype).to(device)
 
     def state(n):
-        return GDNState(torch.randn(n, layer.conv_dim, layer.conv_kernel_size - 1, device=device, dtype=sdt),
-                        torch.randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device,
-                                    dtype=sdt) * 0.1)
+        return GDNState(randn(n, layer.conv_dim, layer.conv_kernel_size - 1, dtype=sdt),
+                        randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=sdt) * 0.1)
 
     for kind, n, st, out_state, grad in jobs:
         if kind == "decode":                 # one token per sequence, not split across ranks
@@ -119,7 +125,7 @@ def _run_jobs(layer, dtype, jobs) -> None:
                                          if n != 2 else torch.tensor([0, 37 * P, T], device=device))
             if kind == "dense":
                 B, cu = n, None
-        x = torch.randn(B, T_local, layer.hidden_size, device=device, dtype=dtype)
+        x = randn(B, T_local, layer.hidden_size, dtype=dtype)
         x.requires_grad_(grad)
         with torch.set_grad_enabled(grad), autocast:
             res = layer(x, cu_seqlens=cu, state=state(n) if st else None, output_state=out_state)

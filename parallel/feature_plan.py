@@ -7,8 +7,8 @@ back with the same slices instead of an accumulating index-put (which, on CUDA, 
 costs ~60x the collective at 64k tokens).
 
 ``plan_for(feature_index)`` reads the index on the host once (one device->host copy for a device
-tensor) and caches the plan by tensor identity and version counter, so later calls with the same
-tensor cost no sync. ``pack`` / ``unpack`` run the plan: forward and backward of the send side.
+tensor) and keeps the plan by the project's caching rule (``gdn_layer.derived``), so later calls with
+the same tensor cost no sync. ``pack`` / ``unpack`` run the plan: forward and backward of the send side.
 ``pack_rows`` / ``unpack_rows`` run it for a range of rows only, which is how ``all_to_all`` writes the
 block a rank keeps for itself straight into its destination while the peers' blocks are in flight.
 
@@ -16,10 +16,11 @@ Buffer layout (see ``all_to_all.py`` for why): send / receive ``[P, T_local, B, 
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
+
+from ..derived import derived
 
 # Rows made of more runs than this are gathered with index_select (and the backward uses index_add_):
 # past a few dozen copies per row, the launches cost more than a gather's index reads.
@@ -178,33 +179,11 @@ def build_plan(feature_index: torch.Tensor) -> FeaturePlan:
                        tuple(tuple(r) for r in runs_per_row))
 
 
-# id(tensor) -> (weakref to it, its version counter when planned, plan); entries leave with the tensor
-_PLANS: dict[int, tuple] = {}
-
-
-def _version(t: torch.Tensor):
-    try:
-        return t._version
-    except RuntimeError:   # inference tensors keep no version counter; they are planned once
-        return None
-
-
 def plan_for(feature_index: torch.Tensor) -> FeaturePlan:
-    """The cached plan of ``feature_index``; rebuilt (one host read) after an in-place change."""
-    key = id(feature_index)
-    hit = _PLANS.get(key)
-    version = _version(feature_index)
-    if hit is not None and hit[0]() is feature_index and hit[1] == version:
-        return hit[2]
-    plan = build_plan(feature_index)
-
-    def forget(_ref, key=key):
-        entry = _PLANS.get(key)
-        if entry is not None and entry[0] is _ref:
-            del _PLANS[key]
-
-    _PLANS[key] = (weakref.ref(feature_index, forget), version, plan)
-    return plan
+    """The plan of ``feature_index``, kept by the project's one caching rule (``gdn_layer.derived``:
+    identity, shape, storage, version; CPU values compared; an accelerator inference tensor is planned
+    at each call): rebuilt (one host read) after any change to the index."""
+    return derived(feature_index, "feature_plan", lambda: build_plan(feature_index))
 
 
 def _rows_view(x: torch.Tensor, c: Copy) -> torch.Tensor:

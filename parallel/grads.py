@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover
     except ImportError:
         _DTensor = None
 
-from .agree import agree_across_ranks, digest_of
+from .agree import _buffer_device, agree_across_ranks, digest_of
 from .groups import resolve_sp_group
 
 
@@ -56,8 +56,11 @@ def reduce_sp_grads(module: torch.nn.Module, sp_group) -> None:
             structure on every rank, since gradients are matched by parameter order.
         sp_group: None, a ProcessGroup or a 1-D DeviceMesh. None or size 1: no-op.
 
-    A parameter whose ``.grad`` is None on this rank (e.g. unused by its tokens) gets a zero gradient
-    first, so every rank issues the same collectives; afterwards every trainable parameter has a grad.
+    A parameter whose ``.grad`` is None on every rank (unused by the whole batch) keeps ``.grad = None``,
+    as in one process, so an optimizer skips it (AdamW's weight decay and moments do not move it); one
+    whose ``.grad`` is None on some ranks only (unused by their tokens) gets a zero gradient there first,
+    then the sum. Which parameters have a gradient anywhere costs one small all-reduce (MAX) of a flag
+    per parameter.
     Gradients are coalesced into one flat buffer per (device, dtype): one all-reduce each. DTensor
     gradients (FSDP2's ``fully_shard(model, mesh=mesh["dp"])`` with ``sp_group=mesh["sp"]``) are reduced
     through their local shards (``grad.to_local()``), in place: the dp shard of rank (d, s) covers the
@@ -84,8 +87,15 @@ def reduce_sp_grads(module: torch.nn.Module, sp_group) -> None:
         error = e
     agree_across_ranks(group, digest, error,
                        "the trainable parameters of the module (which ones, their sizes, their gradients' dtypes)")
+    # which parameters have a gradient on some rank: those with none anywhere stay None (one process
+    # leaves an unused parameter's grad None; a zero there would let weight decay move it)
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int64,
+                            device=_buffer_device(group, torch.device("cpu")))
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:  # module.parameters() has the same order on every rank
+    for p, used in zip(params, has_grad.tolist()):  # module.parameters() has the same order on every rank
+        if not used:
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grad = _local(p.grad)  # a view of a DTensor's shard: reduced in place

@@ -13,6 +13,7 @@ import torch
 
 from gdn_layer.kernels import check_cu_seqlens, cu_cache, flash_qla_backend, ops, varlen
 from gdn_layer.kernels.triton import conv
+from gdn_layer import derived as derived_rule
 
 
 def test_derived_builds_once_per_tensor_and_key():
@@ -40,14 +41,14 @@ def test_derived_rebuilds_after_in_place_change():
 
 
 def test_entries_leave_with_their_tensor():
-    before = len(cu_cache._CACHE)
+    before = len(derived_rule._CACHE)
     cu = torch.tensor([0, 4])
     cu_cache.derived(cu, "x", lambda: torch.zeros(3))
     cu_cache.host_copy(cu)
-    assert len(cu_cache._CACHE) == before + 1
+    assert len(derived_rule._CACHE) == before + 1
     del cu
     gc.collect()
-    assert len(cu_cache._CACHE) == before
+    assert len(derived_rule._CACHE) == before
 
 
 def test_as_int64_shares_one_copy_per_version():

@@ -6,6 +6,7 @@ import torch
 
 from gdn_layer import GatedDeltaNet
 from gdn_layer.kernels import check_cu_seqlens, cu_cache, ops
+from gdn_layer import derived as derived_rule
 
 
 def _layer(seed=0):
@@ -76,7 +77,7 @@ def test_many_live_cu_tensors_do_not_grow_the_cache_without_bound():
         assert conv._seq_index(x, T).tolist() == (
             torch.searchsorted(cu.long(), torch.arange(T), right=True) - 1).tolist()
         assert check_cu_seqlens(hot, T) is hot_copy                # still kept while in use
-    assert len(cu_cache._CACHE) <= 200
+    assert len(derived_rule._CACHE) <= 200
     for cu in packs[:5]:                                          # dropped ones are rebuilt, right
         x = check_cu_seqlens(cu, T)
         assert x.tolist() == cu.tolist()

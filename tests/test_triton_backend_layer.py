@@ -3,26 +3,9 @@
 backend: outputs, states, every parameter gradient, decode. fla's chunk kernels do not run under the
 interpreter, so this backend keeps the torch chunk/recurrent ops; they are checked on the GPU
 (tests/test_cuda_backends.py)."""
-import dataclasses
-
-import pytest
 import torch
 
 from gdn_layer import GatedDeltaNet
-from gdn_layer.kernels import registry, triton_ops
-
-
-@pytest.fixture
-def triton_cpu_backend():
-    torch_backend = registry.backend_by_name("torch")
-    b = dataclasses.replace(
-        torch_backend, name="triton_cpu", priority=-1,
-        causal_conv1d=triton_ops.conv_fwd, causal_conv1d_bwd=triton_ops.conv_bwd,
-        gdn_gate=triton_ops.gate_fwd, gdn_gate_bwd=triton_ops.gate_bwd,
-        gated_rms_norm=triton_ops.norm_fwd, gated_rms_norm_bwd=triton_ops.norm_bwd)
-    registry.register_backend(b)
-    yield b.name
-    registry._BACKENDS.pop(b.name)
 
 
 def test_the_triton_kernels_bound_as_the_cuda_backends_bind_them_match_the_torch_layer(triton_cpu_backend):

@@ -1,0 +1,143 @@
+"""The layer's argument checks, and the rank-agreement step that lets every SP / CP rank raise together.
+
+``check_config`` runs in the constructor; ``check_inputs`` at the top of every forward, before any
+kernel launch or collective: local checks (``check_local``: types, shapes, dtypes, devices,
+``cu_seqlens``, the state, NaN values where value checks are on), then under SP / CP one small
+all-reduce of a digest of what every rank must agree on (input shape and dtype, ``cu_seqlens``, the
+state, the weights), so a rank at fault and its peers raise together instead of hanging in the
+all-to-all.
+"""
+from __future__ import annotations
+
+import torch
+
+from gdn_layer.kernels import check_cu_seqlens
+from gdn_layer.kernels.validation import check_no_nan, values_checkable
+from gdn_layer.parallel import digest_of
+from gdn_layer.parallel.context import agree_across_groups
+from gdn_layer.state import check_state
+
+DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def check_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, norm_eps,
+                 projection_layout, dtype) -> None:
+    """The constructor's argument checks (TypeError / ValueError naming the argument)."""
+    for name, value in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads),
+                        ("num_v_heads", num_v_heads), ("head_k_dim", head_k_dim),
+                        ("head_v_dim", head_v_dim), ("conv_kernel_size", conv_kernel_size)):
+        positive_int(name, value)
+    if num_v_heads % num_k_heads != 0:
+        raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
+        raise TypeError(f"norm_eps must be a float, got {type(norm_eps).__name__}")
+    if not 0 < norm_eps < float("inf"):
+        raise ValueError(f"norm_eps must be positive and finite, got {norm_eps}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if projection_layout not in ("split", "fused"):
+        raise ValueError(f"projection_layout must be 'split' or 'fused', got {projection_layout!r}")
+
+
+def bits_fingerprint(tensors) -> torch.Tensor:
+    """A digest of the exact integer sums of each tensor's raw bit patterns (order-independent)."""
+    with torch.no_grad():
+        bits = (t.detach().contiguous().reshape(-1).view(SAME_SIZE_INT.get(t.element_size(), torch.uint8))
+                for t in tensors)
+        sums = [b.sum(dtype=torch.int64) for b in bits]
+    return digest_of(torch.stack(sums).cpu()) if sums else digest_of(0)
+
+
+def check_inputs(layer, x, cu_seqlens, state, output_state):
+    """All argument checks; under SP with value checks on, one all-reduce so ranks fail together."""
+    error, cu = None, None
+    try:
+        cu = check_local(layer, x, cu_seqlens, state, output_state)
+    except (TypeError, ValueError) as e:
+        error = e
+    # Whether ranks compare notes must not depend on this rank's input (a bad input on one rank
+    # would skip the collective the others wait in): decide by the parameters' device.
+    if layer.sp_size * layer.cp_size > 1 and values_checkable(layer.A_log):
+        # the digest reads cu_seqlens on the host: only when value checks are on
+        state_part = [] if state is None else [
+            DTYPE_CODE.get(state.conv_state.dtype, 99), DTYPE_CODE.get(state.recurrent_state.dtype, 99),
+            bits_fingerprint([state.conv_state, state.recurrent_state])]
+        digest = digest_of(-1) if error is not None else digest_of(
+            *x.shape, DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
+            *([] if cu is None else [cu.cpu()]), weights_fingerprint(layer), *state_part)
+        agree_across_groups((layer.sp_group, layer.cp_group), digest, error,
+                            "hidden_states shape/dtype, cu_seqlens, the state (presence, dtype, values) "
+                            "and the layer's weights")
+    if error is not None:
+        raise error
+    return cu
+
+def weights_fingerprint(layer) -> torch.Tensor:
+    """A digest of the sums of every parameter's raw bit patterns (read as integers): equal on every
+    rank when the weights are bit-identical, different (but for a cancelling coincidence) when any
+    weight differs, e.g. ranks initialised differently, or an optimizer step after a missing
+    ``reduce_sp_grads``, which would otherwise give silently wrong results. Integer sums are exact:
+    no summation order or thread count changes them (a float sum's rounding does). One pass over
+    the weights, no copy."""
+    return bits_fingerprint(list(layer.parameters()))
+
+def check_local(layer, x, cu_seqlens, state, output_state):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"hidden_states must be [B, T, hidden], got shape {tuple(x.shape)}")
+    if x.shape[0] == 0:
+        raise ValueError("hidden_states has batch size B = 0; pass at least one sequence")
+    if x.shape[-1] != layer.hidden_size:
+        raise ValueError(f"hidden_states.shape[-1] must equal hidden_size = {layer.hidden_size}, "
+                         f"got {x.shape[-1]}")
+    p = layer.out_proj.weight
+    autocast = (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type) and p.dtype == torch.float32
+                and x.dtype == torch.get_autocast_dtype(x.device.type))
+    if x.dtype != p.dtype and not autocast:
+        raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype}); "
+                        "cast one of them, or run under torch.autocast with that dtype")
+    if x.device != p.device:
+        raise ValueError(f"hidden_states is on {x.device} but the layer's parameters are on {p.device}")
+    if not isinstance(output_state, bool):
+        raise TypeError(f"output_state must be a bool, got {type(output_state).__name__}")
+    B, T_local = x.shape[:2]
+    P = layer.sp_size * layer.cp_size
+    T = T_local * P
+    cu = None
+    if layer.cp_size > 1 and B != 1:
+        raise ValueError(f"with cp_group the batch must be packed into B == 1 (with cu_seqlens), got B = {B}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
+        hint = "" if P == 1 else (
+            f"under SP the packed length is the global T = SP size {layer.sp_size} x hidden_states.shape[1]: "
+            f"each rank passes its T/P slice (gdn_layer.parallel.shard_sequence), and a T not divisible by "
+            f"the SP size is padded first with gdn_layer.parallel.pad_for_sp") if layer.cp_size == 1 else (
+            f"under CP the packed length is the global T = cp size {layer.cp_size} x SP size {layer.sp_size} x "
+            f"hidden_states.shape[1]: rank (cp c, sp s) passes slice c*{layer.sp_size} + s, and a T not "
+            f"divisible by cp*sp = {P} is padded first with "
+            f"gdn_layer.parallel.pad_for_sp(hidden_states, cu_seqlens, {P})")
+        cu = check_cu_seqlens(cu_seqlens, T, device=x.device, length_hint=hint)
+    elif layer.cp_size > 1:  # one sequence: the slices still hand its state on
+        cu = torch.tensor([0, T], dtype=torch.int64, device=x.device)
+    n = B if cu is None else cu.numel() - 1
+    check_no_nan("hidden_states", x, finite=True)
+    if state is not None:
+        check_state(state, n, layer.conv_dim, layer.conv_kernel_size, layer.num_v_heads,
+                    layer.head_k_dim, layer.head_v_dim, x.device, x.dtype)
+        check_no_nan("state.conv_state", state.conv_state, finite=True)
+        check_no_nan("state.recurrent_state", state.recurrent_state, finite=True)
+    return cu
+
+
+__all__ = ["check_config", "check_inputs", "check_local", "positive_int", "weights_fingerprint", "bits_fingerprint"]
