@@ -269,7 +269,9 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
 
     Returns:
         seconds spent. Parameter ``.grad`` fields are left untouched (gradients are taken with
-        ``torch.autograd.grad``), and so is the global random state (CPU and the layer's GPU).
+        ``torch.autograd.grad``), and so is the global random state (CPU and the layer's GPU): the
+        inputs come from warmup's own generator with a fixed seed, identical on every SP / CP rank
+        whatever each rank's global seed (the layer checks that ranks pass the same state).
         On CPU (torch backend) nothing is compiled or cached: it only runs the calls once.
 
     Raises:
