@@ -28,7 +28,9 @@ def host_copy(cu: torch.Tensor) -> torch.Tensor:
 def as_int64(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``cu`` as int64 on ``device``, one shared copy per tensor and version.
 
-    On the CPU an int64 ``cu`` comes back as is. On an accelerator the result is always a copy made
+    On the CPU an int64 ``cu`` comes back as is, unless it is an inference tensor (made under
+    ``torch.inference_mode``): autograd could not save it in a later training step, so a kept copy
+    made outside inference mode comes back. On an accelerator the result is always a copy made
     for this version of ``cu``: fla's and FlashQLA's own caches of what they derive from cu_seqlens
     (chunk offsets, indices) are keyed by the tensor's identity alone, so a caller that refills one
     cu_seqlens buffer in place for every batch would get the previous batch's chunk layout from them.
@@ -36,7 +38,7 @@ def as_int64(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
     copy's ``host_copy``, so no call reads them back from the device.
     """
     device = torch.device(device)
-    if device.type == "cpu" and cu.dtype == torch.int64 and cu.device.type == "cpu":
+    if device.type == "cpu" and cu.dtype == torch.int64 and cu.device.type == "cpu" and not cu.is_inference():
         return cu
 
     def convert():
