@@ -1,0 +1,216 @@
+"""GatedDeltaNet with ``token_order`` (tokens held in a CP load balancer's order) == the single-process
+layer at the held positions: outputs, the full final state and every gradient (input, initial state,
+parameters), under Ulysses (any permutation), state passing (cp) and the cp x sp mesh, over real gloo
+process groups; and the rejection cases, raised on every rank together."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import error_of
+from oracle import rel_err
+from test_layer_cp import _layer, _mesh
+from gdn_layer import GatedDeltaNet, GDNState
+from gdn_layer.parallel import (count_fragments, gather_sequence, head_tail_order, per_document_head_tail_order,
+                                plan_fragments, reduce_sp_grads, shard_sequence)
+
+HIDDEN, HK, HV, DK, DV = 24, 2, 4, 8, 4
+TOL = 1e-5
+
+
+def _order(kind, T, cu, world):
+    if kind == "head_tail":
+        return head_tail_order(T, world)
+    if kind == "per_document":
+        return per_document_head_tail_order(torch.tensor(cu), world)
+    if kind == "torch_per_document":  # torch's own rearrange index, passed as is
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+            _PerDocumentHeadTailLoadBalancer)
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        return _PerDocumentHeadTailLoadBalancer([lens], world, "cpu")._generate_indices()[0]
+    if kind == "random":
+        return torch.randperm(T, generator=torch.Generator().manual_seed(7))
+    if kind == "contiguous":
+        return torch.arange(T)
+    raise AssertionError(kind)
+
+
+def _parity(rank, world, cp, sp, T, cu, kind, with_state):
+    """The single-process layer and the (cp, sp) run holding ``x[:, order]``; relative errors."""
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(1, T, HIDDEN, generator=gen)
+    cot = torch.randn(1, T, HIDDEN, generator=gen)
+    cu_t = None if cu is None else torch.tensor(cu)
+    N = 1 if cu is None else len(cu) - 1
+    ref = _layer()
+    conv0 = torch.randn(N, ref.conv_dim, ref.conv_kernel_size - 1, generator=gen)
+    rec0 = torch.randn(N, HV, DK, DV, generator=gen)
+    w_conv, w_rec = torch.randn(conv0.shape, generator=gen), torch.randn(rec0.shape, generator=gen)
+
+    def loss_of(y, st, cot_, share):
+        return (y * cot_).sum() + share * ((st.conv_state * w_conv).sum() + (st.recurrent_state * w_rec).sum())
+
+    def fresh_state():
+        return GDNState(conv0.clone().requires_grad_(), rec0.clone().requires_grad_()) if with_state else None
+
+    state_ref, x_ref = fresh_state(), x.clone().requires_grad_(True)
+    y_ref, st_ref = ref(x_ref, cu_seqlens=cu_t, state=state_ref, output_state=True)
+    loss_of(y_ref, st_ref, cot, 1.0).backward()
+
+    order = _order(kind, T, cu, world)
+    cp_group, sp_group = _mesh(cp, sp, False) if world > 1 else (None, None)
+    layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV, sp_group=sp_group, cp_group=cp_group)
+    layer.load_state_dict(ref.state_dict())
+    group = dist.group.WORLD if world > 1 else None
+    state = fresh_state()
+    x_held = x[:, order].clone().requires_grad_(True)
+    y_local, st = layer(shard_sequence(x_held, group), cu_seqlens=cu_t, state=state, output_state=True,
+                        token_order=order)
+    loss_of(y_local, st, shard_sequence(cot[:, order], group), 1.0 / world).backward()
+    grads = {"x": x_held.grad}
+    if world > 1:
+        reduce_sp_grads(layer, cp_group)
+        reduce_sp_grads(layer, sp_group)
+        y = gather_sequence(y_local.detach(), group)
+        if with_state:
+            grads.update({"conv0": state.conv_state.grad, "rec0": state.recurrent_state.grad})
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+    else:
+        y = y_local.detach()
+        if with_state:
+            grads.update({"conv0": state.conv_state.grad, "rec0": state.recurrent_state.grad})
+    errs = {"y": rel_err(y, y_ref[:, order]), "x.grad": rel_err(grads["x"], x_ref.grad[:, order]),
+            "conv_state": rel_err(st.conv_state, st_ref.conv_state),
+            "recurrent_state": rel_err(st.recurrent_state, st_ref.recurrent_state)}
+    if with_state:
+        errs["conv0.grad"] = rel_err(grads["conv0"], state_ref.conv_state.grad)
+        errs["rec0.grad"] = rel_err(grads["rec0"], state_ref.recurrent_state.grad)
+    ref_params = dict(ref.named_parameters())
+    for name, p in layer.named_parameters():
+        errs[name] = rel_err(p.grad, ref_params[name].grad)
+    return errs
+
+
+# T = 64 unless said otherwise; per-document orders need every length divisible by 2 * world
+CASES = {  # name: (T, cu_seqlens, order kind, with_state)
+    "head_tail_one_sequence": (64, None, "head_tail", True),
+    "head_tail_pack_crossing_chunk_edges": (64, [0, 5, 60, 64], "head_tail", True),
+    "per_document_with_an_empty_segment": (64, [0, 16, 16, 48, 64], "per_document", True),
+    "per_document_without_state": (64, [0, 32, 40, 64], "per_document", False),
+    "torch_per_document_index_as_is": (64, [0, 16, 48, 64], "torch_per_document", True),
+    "contiguous_order": (64, [0, 7, 23, 40, 64], "contiguous", True),
+    "chunks_shorter_than_the_conv_window": (16, [0, 3, 16], "head_tail", True),  # halo from several pieces
+}
+SP_CASES = {**CASES, "random_permutation": (64, [0, 5, 60, 64], "random", True)}
+
+
+def test_one_process_any_permutation():
+    errs = _parity(0, 1, 1, 1, 40, [0, 9, 9, 33, 40], "random", True)
+    assert max(errs.values()) <= TOL, errs
+
+
+@pytest.mark.parametrize("case", ["head_tail_pack_crossing_chunk_edges", "random_permutation"])
+def test_sp2_matches_single_process(pool2, case):
+    for errs in pool2.run(_parity, 1, 2, *SP_CASES[case], timeout=120):
+        assert max(errs.values()) <= TOL, errs
+
+
+@pytest.mark.parametrize("case", ["per_document_with_an_empty_segment", "random_permutation"])
+def test_sp4_matches_single_process(pool4, case):
+    for errs in pool4.run(_parity, 1, 4, *SP_CASES[case], timeout=180):
+        assert max(errs.values()) <= TOL, errs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cp2_matches_single_process(pool2, case):
+    for errs in pool2.run(_parity, 2, 1, *CASES[case], timeout=120):
+        assert max(errs.values()) <= TOL, errs
+
+
+@pytest.mark.parametrize("case", ["head_tail_pack_crossing_chunk_edges", "per_document_with_an_empty_segment",
+                                  "torch_per_document_index_as_is", "chunks_shorter_than_the_conv_window"])
+def test_cp4_matches_single_process(pool4, case):
+    for errs in pool4.run(_parity, 4, 1, *CASES[case], timeout=180):
+        assert max(errs.values()) <= TOL, errs
+
+
+@pytest.mark.parametrize("case", ["head_tail_pack_crossing_chunk_edges", "per_document_with_an_empty_segment",
+                                  "per_document_without_state"])
+def test_cp2_x_sp2_mesh_matches_single_process(pool4, case):
+    for errs in pool4.run(_parity, 2, 2, *CASES[case], timeout=180):
+        assert max(errs.values()) <= TOL, errs
+
+
+def test_head_tail_orders_follow_the_load_balancer_layout():
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+    assert torch.equal(head_tail_order(24, 3), _HeadTailLoadBalancer(24, 3, "cpu")._generate_indices()[0].long())
+    # rank r holds chunk r then chunk 2P-1-r of every document, documents in order
+    order = per_document_head_tail_order(torch.tensor([0, 4, 12, 12, 16]), 2)
+    assert order.tolist() == [0, 3, 4, 5, 10, 11, 12, 15] + [1, 2, 6, 7, 8, 9, 13, 14]
+    assert count_fragments(head_tail_order(32, 4), 4).tolist() == [2, 2, 2, 1]  # ranks 3's chunks touch
+    with pytest.raises(ValueError, match="document 1 has length 6"):
+        per_document_head_tail_order(torch.tensor([0, 4, 10]), 2)
+
+
+def test_fragment_plan_of_a_head_tail_pack():
+    cu = [0, 5, 60, 64]  # cp = 2, chunks of 16: rank 0 holds [0, 16) and [48, 64), rank 1 [16, 48)
+    plans = [plan_fragments(head_tail_order(64, 2), cu, 2, r, 3, torch.device("cpu")) for r in range(2)]
+    assert plans[0].cu_local.tolist() == [0, 5, 16, 28, 32]  # pieces [0,5) [5,16) [48,60) [60,64)
+    assert plans[1].cu_local.tolist() == [0, 32]
+    assert plans[0].later.tolist() == [2] and plans[1].later.tolist() == [0]  # [48,60) and [16,48) of doc 1
+    assert plans[0].owner.tolist() == [0, 0, 0]
+    # slots = 4: doc 1's earlier pieces are rank 0 slot 1 (row 1) and rank 1 slot 0 (row 4)
+    assert plans[0].chain.tolist() == [[1, 4]] and plans[1].chain.tolist() == [[1]]
+    # the halo of [48, 60): the last 3 rows of rank 1's piece [16, 48) (gathered rows after N * 3 = 9)
+    assert plans[0].halo.tolist() == [[9 + 4 * 3 + 0, 9 + 4 * 3 + 1, 9 + 4 * 3 + 2]]
+
+
+# --------------------------------------------------------------------------------------------------
+# rejection: before any collective of the forward, on every rank together
+
+
+def _errors(rank, world, cp, case):
+    cp_group, sp_group = _mesh(cp, world // cp, False)
+    layer = _layer(cp_group, sp_group)
+    T = 8 * world
+    x = torch.randn(1, 8, HIDDEN)
+    order = head_tail_order(T, world)
+    if case == "not_a_permutation":
+        order[3] = order[4]
+    elif case == "out_of_range":
+        order[0] = T
+    elif case == "wrong_length":
+        order = torch.arange(T + 1)
+    elif case == "float_dtype":
+        order = order.float()
+    elif case == "differs_on_last_rank":
+        order = torch.arange(T) if rank == world - 1 else order
+    elif case == "too_many_fragments":
+        order = torch.randperm(T, generator=torch.Generator().manual_seed(0))
+    return error_of(layer, x, cu_seqlens=torch.tensor([0, 5, T]), token_order=order)
+
+
+REJECT = {"not_a_permutation": "appears 2 times", "out_of_range": "out of range", "wrong_length": "T = ",
+          "float_dtype": "integer dtype", "differs_on_last_rank": "token_order",
+          "too_many_fragments": "fragments"}
+
+
+@pytest.mark.parametrize("case", list(REJECT))
+@pytest.mark.parametrize("cp", [1, 2])
+def test_bad_token_order_raises_on_every_rank(pool2, cp, case):
+    if case == "too_many_fragments" and cp == 1:
+        pytest.skip("any permutation is served under sp_group alone (test_sp2_matches_single_process)")
+    msgs = pool2.run(_errors, cp, case, timeout=60)
+    assert all(msgs), msgs
+    assert any(REJECT[case] in m for m in msgs), msgs
+
+
+def test_bad_token_order_raises_on_every_rank_of_the_cp2_x_sp2_mesh(pool4):
+    msgs = pool4.run(_errors, 2, "differs_on_last_rank", timeout=60)
+    assert all(msgs), msgs
+
+
+def test_token_order_of_a_wrong_type_is_named():
+    layer = _layer()
+    with pytest.raises(TypeError, match="token_order"):
+        layer(torch.randn(1, 4, HIDDEN), token_order=[0, 1, 2, 3])
