@@ -105,8 +105,8 @@ def check_token_order(token_order, total_len: int, device: torch.device, check_v
             raise ValueError(f"token_order must be a permutation of [0, {total_len}), but token_order[{j}] = "
                              f"{int(host[j])} is out of range")
         counts = torch.bincount(host, minlength=total_len)
-        if bool((counts != 1).any()):
-            p = int(torch.nonzero(counts != 1)[0])
+        if bool((counts != 1).any()):  # a repeated position implies a missing one: name the repeated one
+            p = int(torch.nonzero(counts > 1)[0])
             raise ValueError(f"token_order must be a permutation of [0, {total_len}), but position {p} appears "
                              f"{int(counts[p])} times")
     return token_order.to(device=device, dtype=torch.int64)
