@@ -1,13 +1,20 @@
 """GatedDeltaNet with ``token_order`` (tokens held in a CP load balancer's order) == the single-process
 layer at the held positions: outputs, the full final state and every gradient (input, initial state,
 parameters), under Ulysses (any permutation), state passing (cp) and the cp x sp mesh, over real gloo
-process groups; and the rejection cases, raised on every rank together."""
+process groups; the rejection cases, raised on every rank together; and examples/cp_token_order.py
+(a GDN / attention hybrid on one per-document head-tail layout) training like one process."""
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import error_of
-from oracle import rel_err
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+import cp_token_order  # noqa: E402
+from dist_utils import error_of  # noqa: E402
+from oracle import rel_err  # noqa: E402
 from test_layer_cp import _layer, _mesh
 from gdn_layer import GatedDeltaNet, GDNState
 from gdn_layer.parallel import (count_fragments, gather_sequence, head_tail_order, per_document_head_tail_order,
@@ -212,3 +219,29 @@ def test_token_order_of_a_wrong_type_is_named():
     layer = _layer()
     with pytest.raises(TypeError, match="token_order"):
         layer(torch.randn(1, 4, HIDDEN), token_order=[0, 1, 2, 3])
+
+
+# --------------------------------------------------------------------------------------------------
+# examples/cp_token_order.py (shares this module's worker pools)
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def one_process_losses():
+    return cp_token_order.train(0, 1, 1, 1, STEPS)
+
+
+def _close(parallel, single):
+    return max(abs(a - b) / abs(b) for a, b in zip(parallel, single)) <= 1e-5
+
+
+def test_example_hybrid_on_cp2_trains_like_one_process(pool2, one_process_losses):
+    for losses in pool2.run(cp_token_order.train, 2, 1, STEPS, timeout=120):
+        assert _close(losses, one_process_losses), (losses, one_process_losses)
+
+
+@pytest.mark.parametrize("cp, sp", [(2, 2), (4, 1)])
+def test_example_hybrid_on_four_ranks_trains_like_one_process(pool4, one_process_losses, cp, sp):
+    for losses in pool4.run(cp_token_order.train, cp, sp, STEPS, timeout=180):
+        assert _close(losses, one_process_losses), (losses, one_process_losses)
