@@ -158,8 +158,8 @@ def _recurrent_initial_state(layer, qkvgb, plan, state):
     eye = torch.eye(Dk, dtype=dt, device=v.device).expand(K, hv, Dk, Dk)
     M = run(v.new_zeros(*v.shape[:3], Dk), eye)
     H = run(v, torch.where(plan.first[:, None, None, None], base, torch.zeros_like(base)))
-    maps = torch.cat([M.to(dt), H.to(dt)], -1)
-    maps = torch.cat([maps, maps.new_zeros(plan.slots - K, *maps.shape[1:])])
+    maps = torch.cat([M.to(dt), H.to(dt)], -1).index_select(0, plan.sent)  # the pieces whose document goes on
+    maps = torch.cat([maps, maps.new_zeros(plan.slots - maps.shape[0], *maps.shape[1:])])
     table = gather_from_ranks(_tie(maps, q, own), layer.cp_group).flatten(0, 1)
     table = torch.cat([table, table.new_zeros(1, *table.shape[1:])])           # the chains' pad row
     S = compose_chains(table, plan.chain, Dk)

@@ -45,13 +45,15 @@ class FragmentPlan:
             zero-length documents assigned to this rank come last, as empty pieces).
         piece_seq: int64 ``[K]``: the document of each piece. first: bool ``[K]``: the piece starts its
             document (it takes the document's given state; the others take a handed-over one).
-        slots: K_max, the most pieces on any rank (gathered maps and tails are padded to it).
-        passing: whether any piece on any rank needs a hand-off (the same on every rank).
+        sent: int64 ``[m]`` local indices of this rank's pieces whose document goes on past them: only
+            they hand over a map and a tail (send slot j is ``sent[j]``).
+        slots: the most such pieces on any rank (the gathered maps and tails are padded to it).
+        passing: whether any piece on any rank hands over (``slots > 0``; the same on every rank).
         later: int64 ``[n]`` local indices of the pieces that do not start their document.
         chain: int64 ``[n, c]``: for each of ``later``, its document's earlier pieces in original order,
-            as rows ``rank * slots + slot`` of the gathered maps; front-padded with ``size * slots`` (a
+            as rows ``rank * slots + send slot`` of the gathered maps; front-padded with ``size * slots`` (a
             zero map row appended by the caller).
-        tail_rows: int64 ``[slots * window]``: sorted local rows of each piece's last ``window`` tokens
+        tail_rows: int64 ``[slots * window]``: sorted local rows of each sent piece's last ``window`` tokens
             (clamped into the rank; rows outside the piece are never read through ``halo``).
         halo: int64 ``[n, window]``: for each of ``later``, the rows of its ``window`` inputs before it,
             oldest first, in ``cat([given_conv_state rows [N * window], gathered tails [size * slots *
@@ -69,6 +71,7 @@ class FragmentPlan:
     cu_local: torch.Tensor
     piece_seq: torch.Tensor
     first: torch.Tensor
+    sent: torch.Tensor
     slots: int
     passing: bool
     later: torch.Tensor
@@ -112,62 +115,66 @@ def plan_fragments(order: torch.Tensor, cu: list[int], size: int, rank: int, win
     holder = _holders(host, size)
     edges = (torch.nonzero(holder[1:] != holder[:-1])[:, 0] + 1).tolist()
     bounds = sorted(set([0, T] + edges + cu))
-    pieces = [[] for _ in range(size)]   # per rank: (a, b, doc)
-    by_doc = [[] for _ in range(N)]      # per doc: (a, b, rank, slot), original order
+    pieces = [[] for _ in range(size)]   # per rank: (a, b, doc), original order
+    sent = [[] for _ in range(size)]     # per rank: local indices of the pieces whose document goes on
+    by_doc = [[] for _ in range(N)]      # per doc: (a, b, rank, local index, send slot), original order
     for a, b in zip(bounds, bounds[1:]):
         if a == b:
             continue
         r, n = int(holder[a]), bisect.bisect_right(cu, a) - 1
-        by_doc[n].append((a, b, r, len(pieces[r])))
+        slot = -1
+        if b < cu[n + 1]:  # the document goes on: this piece's map and tail are handed over
+            slot = len(sent[r])
+            sent[r].append(len(pieces[r]))
+        by_doc[n].append((a, b, r, len(pieces[r]), slot))
         pieces[r].append((a, b, n))
     for n in range(N):  # zero-length documents: an empty piece on rank 0 (state in = state out)
         if cu[n] == cu[n + 1]:
-            by_doc[n].append((cu[n], cu[n], 0, len(pieces[0])))
+            by_doc[n].append((cu[n], cu[n], 0, len(pieces[0]), -1))
             pieces[0].append((cu[n], cu[n], n))
-    slots = max(len(p) for p in pieces)
+    slots = max(len(p) for p in sent)
     mine = pieces[rank]
-    lens = [b - a for a, b, _ in mine]
     cu_local = [0]
-    for ln in lens:
-        cu_local.append(cu_local[-1] + ln)
+    for a, b, _ in mine:
+        cu_local.append(cu_local[-1] + b - a)
     first = [a == cu[n] for a, _, n in mine]
-    passing = any(a != cu[n] for p in pieces for a, _, n in p)
+    passing = slots > 0
 
-    starts = [(a, b, r, s) for doc in by_doc for (a, b, r, s) in doc if b > a]
-    starts.sort()
-    start_pos = [s[0] for s in starts]
+    handed = sorted((a, b, r, s) for doc in by_doc for (a, b, r, _, s) in doc if s >= 0)
+    handed_start = [h[0] for h in handed]
     later = [k for k, f in enumerate(first) if not f]
     pad = size * slots
     chains, halos = [], []
     for k in later:
         a, _, n = mine[k]
-        chains.append([r * slots + s for (a2, _, r, s) in by_doc[n] if a2 < a])
+        chains.append([r * slots + s for (a2, _, r, _, s) in by_doc[n] if a2 < a])
         rows = []
         for q in range(a - window, a):
             if q < cu[n]:
                 rows.append(n * window + window - (cu[n] - q))
-            else:
-                _, b2, r2, s2 = starts[bisect.bisect_right(start_pos, q) - 1]
+            else:  # in an earlier piece of the same document, which hands its tail over
+                _, b2, r2, s2 = handed[bisect.bisect_right(handed_start, q) - 1]
                 rows.append(N * window + (r2 * slots + s2) * window + window - (b2 - q))
         halos.append(rows)
     width = max((len(c) for c in chains), default=0)
     chain = [[pad] * (width - len(c)) + c for c in chains]
     tail_rows = []
-    for k in range(slots):
-        end = cu_local[k + 1] if k < len(mine) else 0
+    for j in range(slots):
+        end = cu_local[sent[rank][j] + 1] if j < len(sent[rank]) else 0
         tail_rows += [min(max(end - window + i, 0), L - 1) for i in range(window)]
     owner, owned = [0] * N, [0] * N
     for n in range(N):
-        _, _, r, s = by_doc[n][-1]
+        _, _, r, k, _ = by_doc[n][-1]
         owner[n] = r
-        owned[n] = s if r == rank else 0
+        owned[n] = k if r == rank else 0
     local = order[rank * L:(rank + 1) * L].to(device)
     sort = torch.argsort(local)
     i64 = dict(dtype=torch.int64, device=device)
     return FragmentPlan(
         size, rank, L, sort, torch.argsort(sort), torch.tensor(cu_local, **i64),
         torch.tensor([n for _, _, n in mine], **i64), torch.tensor(first, dtype=torch.bool, device=device),
-        slots, passing, torch.tensor(later, **i64), torch.tensor(chain, **i64).reshape(len(later), width),
+        torch.tensor(sent[rank], **i64), slots, passing, torch.tensor(later, **i64),
+        torch.tensor(chain, **i64).reshape(len(later), width),
         torch.tensor(tail_rows, **i64), torch.tensor(halos, **i64).reshape(len(later), window),
         torch.tensor(owner, dtype=torch.int64), torch.tensor(owned, **i64))
 

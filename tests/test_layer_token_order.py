@@ -107,6 +107,7 @@ CASES = {  # name: (T, cu_seqlens, order kind, with_state)
     "torch_per_document_index_as_is": (64, [0, 16, 48, 64], "torch_per_document", True),
     "contiguous_order": (64, [0, 7, 23, 40, 64], "contiguous", True),
     "chunks_shorter_than_the_conv_window": (16, [0, 3, 16], "head_tail", True),  # halo from several pieces
+    "one_token_chunks": (8, [0, 3, 8], "head_tail", True),  # cp 4: 2 tokens per rank, the decode kernel
 }
 SP_CASES = {**CASES, "random_permutation": (64, [0, 5, 60, 64], "random", True)}
 
@@ -114,6 +115,13 @@ SP_CASES = {**CASES, "random_permutation": (64, [0, 5, 60, 64], "random", True)}
 def test_one_process_any_permutation():
     errs = _parity(0, 1, 1, 1, 40, [0, 9, 9, 33, 40], "random", True)
     assert max(errs.values()) <= TOL, errs
+
+
+def test_one_process_batch_of_sequences_in_one_order():
+    """Without cu_seqlens (B rows), the order applies to every row."""
+    layer, gen = _layer(), torch.Generator().manual_seed(5)
+    x, order = torch.randn(3, 12, HIDDEN, generator=gen), torch.randperm(12, generator=gen)
+    assert rel_err(layer(x[:, order], token_order=order), layer(x)[:, order]) <= TOL
 
 
 @pytest.mark.parametrize("case", ["head_tail_pack_crossing_chunk_edges", "random_permutation"])
@@ -135,7 +143,8 @@ def test_cp2_matches_single_process(pool2, case):
 
 
 @pytest.mark.parametrize("case", ["head_tail_pack_crossing_chunk_edges", "per_document_with_an_empty_segment",
-                                  "torch_per_document_index_as_is", "chunks_shorter_than_the_conv_window"])
+                                  "torch_per_document_index_as_is", "chunks_shorter_than_the_conv_window",
+                                  "one_token_chunks"])
 def test_cp4_matches_single_process(pool4, case):
     for errs in pool4.run(_parity, 4, 1, *CASES[case], timeout=180):
         assert max(errs.values()) <= TOL, errs
@@ -166,10 +175,12 @@ def test_fragment_plan_of_a_head_tail_pack():
     assert plans[1].cu_local.tolist() == [0, 32]
     assert plans[0].later.tolist() == [2] and plans[1].later.tolist() == [0]  # [48,60) and [16,48) of doc 1
     assert plans[0].owner.tolist() == [0, 0, 0]
-    # slots = 4: doc 1's earlier pieces are rank 0 slot 1 (row 1) and rank 1 slot 0 (row 4)
-    assert plans[0].chain.tolist() == [[1, 4]] and plans[1].chain.tolist() == [[1]]
+    # only pieces whose document goes on hand over: [5,16) on rank 0 and [16,48) on rank 1, one slot each
+    assert plans[0].sent.tolist() == [1] and plans[1].sent.tolist() == [0] and plans[0].slots == 1
+    # doc 1's earlier pieces are rank 0 slot 0 (row 0) and rank 1 slot 0 (row 1); the pad row is 2
+    assert plans[0].chain.tolist() == [[0, 1]] and plans[1].chain.tolist() == [[0]]
     # the halo of [48, 60): the last 3 rows of rank 1's piece [16, 48) (gathered rows after N * 3 = 9)
-    assert plans[0].halo.tolist() == [[9 + 4 * 3 + 0, 9 + 4 * 3 + 1, 9 + 4 * 3 + 2]]
+    assert plans[0].halo.tolist() == [[9 + 3 + 0, 9 + 3 + 1, 9 + 3 + 2]]
 
 
 # --------------------------------------------------------------------------------------------------
