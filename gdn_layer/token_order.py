@@ -22,6 +22,7 @@ import torch
 
 from gdn_layer.context_parallel import _state_dtype, _tie
 from gdn_layer.kernels import chunk_gated_delta_rule
+from gdn_layer.kernels.cu_cache import derived, host_copy
 from gdn_layer.kernels.validation import values_checkable
 from gdn_layer.parallel.context import gather_from_ranks, select_owned
 from gdn_layer.parallel.fragments import (FragmentPlan, compose_chains, count_fragments, max_fragments_per_rank,
@@ -53,6 +54,11 @@ def prepare_token_order(layer, token_order, x: torch.Tensor, cu: torch.Tensor | 
         layer: the GatedDeltaNet. token_order: None or the ``[T]`` order. x: this rank's hidden states
             (validated). cu: the validated int64 global boundaries (always set under cp) or None.
 
+    Returns:
+        None for None, else a ``HeldOrder``. Built once per ``token_order`` tensor (and boundaries, mesh
+        position, device) while it lives unchanged, like what the kernels derive from ``cu_seqlens``
+        (``kernels.cu_cache.derived``): every layer of a step shares one plan and one host read.
+
     Raises:
         TypeError / ValueError (``parallel.token_order.check_token_order``); ValueError when a cp rank
         would hold more fragments than ``max_fragments_per_rank`` allows. Under cp the values are always
@@ -62,18 +68,28 @@ def prepare_token_order(layer, token_order, x: torch.Tensor, cu: torch.Tensor | 
         return None
     C = layer.cp_size
     T = x.shape[1] * layer.sp_size * C
-    checkable = isinstance(token_order, torch.Tensor) and values_checkable(token_order)
-    order = check_token_order(token_order, T, x.device, check_values=C > 1 or checkable)
+    check_token_order(token_order, T, x.device, check_values=False)  # shape and dtype: every call
+    check = C > 1 or values_checkable(token_order)
+    cu_host = None if C == 1 else tuple(int(v) for v in host_copy(cu).tolist())
+    key = ("gdn_layer.token_order", T, cu_host, C, layer.cp_rank, layer.conv_kernel_size - 1, x.device, check)
+    return derived(token_order, key, lambda: _plan(token_order, T, cu_host, C, layer.cp_rank,
+                                                   layer.conv_kernel_size - 1, x.device, check))
+
+
+def _plan(token_order, T, cu_host, C, rank, window, device, check) -> HeldOrder:
+    order = check_token_order(token_order, T, device, check_values=check)
+    if order is token_order:  # a cached value must not hold its own key tensor (it would never leave)
+        order = order.clone()
     if C == 1:
         return HeldOrder(order, torch.argsort(order), order, None)
-    cu_host = [int(v) for v in cu.tolist()]
-    most, cap = int(count_fragments(order, C).max()), max_fragments_per_rank(len(cu_host) - 1)
+    host = order.cpu()
+    most, cap = int(count_fragments(host, C).max()), max_fragments_per_rank(len(cu_host) - 1)
     if most > cap:
         raise ValueError(f"token_order puts {most} fragments (runs of consecutive original positions) on one cp "
                          f"rank; with cp_group at most 2 * N + 2 = {cap} for N = {len(cu_host) - 1} sequences "
                          "(contiguous slices, head-tail, per-document head-tail): each fragment edge hands a state "
                          "map between ranks. Any permutation is served under sp_group alone")
-    plan = plan_fragments(order, cu_host, C, layer.cp_rank, layer.conv_kernel_size - 1, x.device)
+    plan = plan_fragments(host, list(cu_host), C, rank, window, device)
     return HeldOrder(order, plan.sort, plan.unsort, plan)
 
 

@@ -157,6 +157,21 @@ def test_cp2_x_sp2_mesh_matches_single_process(pool4, case):
         assert max(errs.values()) <= TOL, errs
 
 
+def test_one_plan_per_token_order_tensor_rebuilt_after_an_in_place_change():
+    from gdn_layer.token_order import prepare_token_order
+    layer, x = _layer(), torch.randn(1, 8, HIDDEN)
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(2))
+    first = prepare_token_order(layer, order, x, None)
+    assert prepare_token_order(layer, order, x, None) is first  # every layer of a step shares it
+    order[[0, 1]] = order[[1, 0]]
+    again = prepare_token_order(layer, order, x, None)
+    assert again is not first and torch.equal(again.unsort, order)
+    order[0] = order[1]  # no longer a permutation: raises on every call, nothing cached
+    for _ in range(2):
+        with pytest.raises(ValueError, match="appears 2 times"):
+            prepare_token_order(layer, order, x, None)
+
+
 def test_head_tail_orders_follow_the_load_balancer_layout():
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
     assert torch.equal(head_tail_order(24, 3), _HeadTailLoadBalancer(24, 3, "cpu")._generate_indices()[0].long())
