@@ -172,6 +172,40 @@ def test_one_plan_per_token_order_tensor_rebuilt_after_an_in_place_change():
             prepare_token_order(layer, order, x, None)
 
 
+def _frozen_or_no_grad(rank, world, cp, sp, mode):
+    """A frozen layer with only the initial recurrent state trainable (some ranks' maps then need a
+    gradient only through the state), or inference under no_grad; head-tail order."""
+    gen = torch.Generator().manual_seed(21)
+    cu = torch.tensor([0, 5, 20, 30, 64])
+    x, cot = torch.randn(1, 64, HIDDEN, generator=gen), torch.randn(1, 64, HIDDEN, generator=gen)
+    ref = _layer().requires_grad_(False)
+    rec0 = torch.randn(4, HV, DK, DV, generator=gen)
+    conv0 = torch.randn(4, ref.conv_dim, ref.conv_kernel_size - 1, generator=gen)
+    order, group = head_tail_order(64, world), dist.group.WORLD
+    cp_group, sp_group = _mesh(cp, sp, False)
+    layer = _layer(cp_group, sp_group).requires_grad_(False)
+    if mode == "no_grad":
+        with torch.no_grad():
+            y_ref, st_ref = ref(x, cu_seqlens=cu, state=GDNState(conv0, rec0), output_state=True)
+            y, st = layer(shard_sequence(x[:, order], group), cu_seqlens=cu, state=GDNState(conv0, rec0),
+                          output_state=True, token_order=order)
+        return max(rel_err(gather_sequence(y, group), y_ref[:, order]),
+                   rel_err(st.recurrent_state, st_ref.recurrent_state))
+    s_ref = GDNState(conv0.clone(), rec0.clone().requires_grad_())
+    (ref(x, cu_seqlens=cu, state=s_ref) * cot).sum().backward()
+    s = GDNState(conv0.clone(), rec0.clone().requires_grad_())
+    y = layer(shard_sequence(x[:, order], group), cu_seqlens=cu, state=s, token_order=order)
+    (y * shard_sequence(cot[:, order], group)).sum().backward()
+    dist.all_reduce(s.recurrent_state.grad)
+    return rel_err(s.recurrent_state.grad, s_ref.recurrent_state.grad)
+
+
+@pytest.mark.parametrize("cp, sp, mode", [(4, 1, "frozen"), (2, 2, "frozen"), (4, 1, "no_grad")])
+def test_frozen_layer_and_inference_with_a_head_tail_order(pool4, cp, sp, mode):
+    for err in pool4.run(_frozen_or_no_grad, cp, sp, mode, timeout=120):
+        assert err <= TOL, err
+
+
 def test_head_tail_orders_follow_the_load_balancer_layout():
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
     assert torch.equal(head_tail_order(24, 3), _HeadTailLoadBalancer(24, 3, "cpu")._generate_indices()[0].long())
