@@ -16,6 +16,7 @@ from gdn_layer.kernels.validation import check_no_nan, values_checkable
 from gdn_layer.parallel import digest_of
 from gdn_layer.parallel.context import agree_across_groups
 from gdn_layer.state import check_state
+from gdn_layer.token_order import prepare_token_order
 
 DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -57,11 +58,13 @@ def bits_fingerprint(tensors) -> torch.Tensor:
     return digest_of(torch.stack(sums).cpu()) if sums else digest_of(0)
 
 
-def check_inputs(layer, x, cu_seqlens, state, output_state):
-    """All argument checks; under SP with value checks on, one all-reduce so ranks fail together."""
-    error, cu = None, None
+def check_inputs(layer, x, cu_seqlens, state, output_state, token_order=None):
+    """All argument checks; under SP with value checks on, one all-reduce so ranks fail together.
+    Returns the int64 ``cu_seqlens`` (or None) and the ``token_order`` plan (or None)."""
+    error, cu, held = None, None, None
     try:
         cu = check_local(layer, x, cu_seqlens, state, output_state)
+        held = prepare_token_order(layer, token_order, x, cu)
     except (TypeError, ValueError) as e:
         error = e
     # Whether ranks compare notes must not depend on this rank's input (a bad input on one rank
@@ -73,13 +76,14 @@ def check_inputs(layer, x, cu_seqlens, state, output_state):
             bits_fingerprint([state.conv_state, state.recurrent_state])]
         digest = digest_of(-1) if error is not None else digest_of(
             *x.shape, DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
-            *([] if cu is None else [cu.cpu()]), weights_fingerprint(layer), *state_part)
+            *([] if cu is None else [cu.cpu()]), weights_fingerprint(layer), *state_part,
+            None if held is None else held.order.cpu())
         agree_across_groups((layer.sp_group, layer.cp_group), digest, error,
-                            "hidden_states shape/dtype, cu_seqlens, the state (presence, dtype, values) "
-                            "and the layer's weights")
+                            "hidden_states shape/dtype, cu_seqlens, token_order, the state (presence, "
+                            "dtype, values) and the layer's weights")
     if error is not None:
         raise error
-    return cu
+    return cu, held
 
 def weights_fingerprint(layer) -> torch.Tensor:
     """A digest of the sums of every parameter's raw bit patterns (read as integers): equal on every

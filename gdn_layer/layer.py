@@ -19,6 +19,7 @@ from gdn_layer.parallel import (gather_heads, head_to_seq, partition_heads, proj
                                 seq_to_head)
 from gdn_layer.projection_layouts import load_either_layout
 from gdn_layer.state import GDNState
+from gdn_layer.token_order import fragment_token_mix, to_held_order, to_original_order
 
 
 def _is_decode(x: torch.Tensor, cu) -> bool:
@@ -198,7 +199,7 @@ class GatedDeltaNet(nn.Module):
     # forward: the dataflow, top to bottom
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                state: GDNState | None = None, output_state: bool = False):
+                state: GDNState | None = None, output_state: bool = False, token_order: torch.Tensor | None = None):
         """Mix tokens of ``hidden_states`` with the gated delta rule.
 
         Args:
@@ -210,6 +211,12 @@ class GatedDeltaNet(nn.Module):
             state: a ``GDNState`` to continue from (decode or chunked prefill): ``[N, ...]``, one row per
                 sequence; always the full state (all heads), also under SP.
             output_state: also return the ``GDNState`` after the last token of each sequence.
+            token_order: int64 ``[T]``, the same on every rank, or None (contiguous slices): the original
+                position of each token in the order the ranks hold them, as PyTorch's CP load balancers
+                rearrange (``gdn_layer.parallel.head_tail_order``); rank i of the cp x sp mesh (one process:
+                rank 0 of 1) holds entries ``i*T/P .. (i+1)*T/P`` and gets its output at the same positions;
+                ``cu_seqlens`` and ``state`` stay in the original order. Any permutation under SP alone; with
+                ``cp_group`` at most ``2N + 2`` fragments per cp rank (gdn_layer/token_order.py).
 
         Returns:
             ``y [B, T_local, hidden]`` in the activation dtype, or ``(y, GDNState)`` if ``output_state``.
@@ -218,18 +225,24 @@ class GatedDeltaNet(nn.Module):
             TypeError / ValueError naming the argument, before any kernel launch or collective (under SP,
             with value checks on, every rank raises together after one small all-reduce).
         """
-        cu = check_inputs(self, hidden_states, cu_seqlens, state, output_state)
+        cu, held = check_inputs(self, hidden_states, cu_seqlens, state, output_state, token_order)
         # pre-conv [q | k | v | a | b] of this rank's heads for every token (under SP the all-to-all is
-        # inside: the projection writes its send buffer), and the output gate z of the local tokens
+        # inside: the projection writes its send buffer), and the output gate z of the local tokens;
+        # with token_order, put in original order (gdn_layer/token_order.py)
         mixed, z = self._project(hidden_states)
+        mixed = to_original_order(mixed, held)
         with self._checked_already():
-            if self.cp_size > 1:  # this cp slice; states handed between slices
+            if held is not None and held.fragments is not None:  # cp over fragments of the original order
+                o, conv_state, recurrent_state = fragment_token_mix(self, mixed, state, output_state,
+                                                                    held.fragments)
+            elif self.cp_size > 1:  # this cp slice; states handed between slices
                 o, conv_state, recurrent_state = cp_token_mix(self, mixed, cu, state, output_state)
             else:
                 q, k, v, a, b, conv_state = self._conv(mixed, cu, self._local_conv_state(state), output_state)
                 g, beta = self._gate(a, b)
                 o, recurrent_state = self._delta_rule(q, k, v, g, beta, cu, self._local_recurrent_state(state),
                                                       output_state)
+        o = to_held_order(o, held)
         o = head_to_seq(o.flatten(2), self.sp_group) if self.sp_size > 1 else o.flatten(2)
         o = self.norm(o.unflatten(-1, (self.num_v_heads, self.head_v_dim)), z)
         y = self.out_proj(o.flatten(2))
