@@ -17,7 +17,6 @@ Used by ``tests/ascend_probe.py``.
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 import types
 
@@ -36,7 +35,8 @@ class Record:
     def __init__(self):
         self.compiles: list[dict] = []     # {"kernel", "key"}
         self.launches: list[dict] = []     # {"kernel", "grid"}
-        self.lowered: dict[str, bool] = {}  # kernel name -> its ttadapter module carried HIVM annotations
+        self.lowered: dict[str, str] = {}   # kernel name -> mix_mode of its ttadapter module ("aiv": vector
+        #                                     cores only, "mix": cube and vector)
 
 
 RECORD = Record()
@@ -108,12 +108,13 @@ class FakeNPUDriver(DriverBase):
 
 
 def _npubin_stub(linalg: str, metadata: dict, opt):
-    """Stands in for ``bishengir-compile`` (CANN): checks the module is HIVM-annotated linalg and fills
-    the metadata fields the launch path reads, by triton-ascend's own parser."""
+    """Stands in for ``bishengir-compile`` (CANN): checks the ttadapter module is linalg with HIVM's
+    annotations and fills the metadata fields the launch path reads, by triton-ascend's own parser."""
     from triton.backends.ascend import compiler as ac
-    name = re.search(r"func\.func\s+@(\w+)", linalg).group(1)
-    RECORD.lowered[name] = "hivm." in linalg and "func.func" in linalg
-    ac._parse_linalg_metadata(linalg, metadata)
+    if "linalg." not in linalg:
+        raise RuntimeError("the ttadapter stage did not produce linalg")
+    ac._parse_linalg_metadata(linalg, metadata)     # raises if the module lacks HIVM's mix_mode / kernel name
+    RECORD.lowered[metadata["kernel_name"]] = metadata["mix_mode"]
     return b""
 
 
