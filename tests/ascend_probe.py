@@ -41,6 +41,7 @@ RECORD = fake_npu_driver.install()
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 # Qwen3-Next-80B-A3B linear attention: 16 q/k heads, 32 v heads, head dims 128, conv width 4
 HK, HV, D, W = 16, 32, 128, 4
@@ -137,7 +138,6 @@ def layer_calls(T, N, empty=False, device="cpu", chunk=True, dtype=torch.bfloat1
 def negative_control(T, device="cpu"):
     """A kernel that takes its length as a ``tl.constexpr``: one compile per T, and ``cdiv(T, 128)``
     programs in one launch."""
-    import triton.language as tl
 
     @triton.jit
     def scale_kernel(x, T: tl.constexpr, BLOCK: tl.constexpr):
