@@ -46,8 +46,9 @@ import triton.language as tl  # noqa: E402
 # Qwen3-Next-80B-A3B linear attention: 16 q/k heads, 32 v heads, head dims 128, conv width 4
 HK, HV, D, W = 16, 32, 128, 4
 # packed layouts (T, N, an empty segment?); the first compiles, the rest must not
+# (N = 260: the decode launches in three slices of sequences)
 LAYOUTS = [(1000, 1, False), (1025, 3, False), (2047, 5, True), (3001, 2, False), (4096, 17, False),
-           (5000, 9, True), (7777, 64, False), (8192, 33, False)]
+           (5000, 9, True), (7777, 64, False), (8192, 260, False)]
 
 ROUTINGS: list[str] = []
 DROPPED: set[str] = set()
@@ -129,7 +130,7 @@ def layer_calls(T, N, empty=False, device="cpu", chunk=True, dtype=torch.bfloat1
     be.gated_rms_norm(o, z, norm_w, 1e-6)
     be.gated_rms_norm_bwd(o, o, z, norm_w, 1e-6)
     # decode: one token for each of the N sequences, continuing from their states
-    dcu = torch.arange(N + 1, device=device)
+    dcu = torch.arange(N + 1)     # on the host (meta tensors have no values to slice by)
     qd, kd, vd = (torch.empty(1, N, h, D, **e) for h in (HK, HK, HV))
     gd, bd = torch.empty(1, N, HV, device=device), torch.empty(1, N, HV, **e)
     be.recurrent_gated_delta_rule(qd, kd, vd, gd, bd, D ** -0.5, state, True, dcu, True)
