@@ -121,6 +121,8 @@ def test_decode_slices_give_what_one_call_gives(monkeypatch, lengths):
 
     def one_launch(q, k, v, g, beta, scale, h0, out_state, cu, l2):
         calls.append(q.shape[0] if cu is None else cu.shape[0] - 1)
+        # fla reads cu as offsets into the tensors it is given (the reference only uses its differences)
+        assert cu is None or (int(cu[0]) == 0 and int(cu[-1]) == q.shape[1]), (cu, q.shape)
         return reference.recurrent_gated_delta_rule(q, k, v, g, beta, scale, h0, out_state, cu, l2)
 
     monkeypatch.setattr(fla_backend, "recurrent_fwd", one_launch)
