@@ -1,8 +1,11 @@
 """``"fla"`` backend: fla-core's Triton chunk kernels (CUDA), our Triton kernels for the rest.
 
-Which kernel runs is decided here, not by fla's dispatcher: we call fla's Triton forward/backward
-functions (``fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_fwd`` / ``_bwd``) directly, so fla's
-backend registry never hands the call to FlashQLA behind our back (``FLA_FLASH_QLA`` does not matter).
+We call fla's chunk forward/backward functions (``fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_fwd``
+/ ``_bwd``) directly: that skips fla's top-level dispatch only, so fla's backend registry never hands the
+whole call to FlashQLA behind our back (``FLA_FLASH_QLA`` does not matter). The steps inside them still go
+through fla's own dispatch (``fla.backends``): on an NPU (Triton's active target ``npu``) 11 of them run
+fla's ``triton_ascend`` kernels (docs/kernels.md lists them); elsewhere fla decides by the packages it
+finds (e.g. TileLang) and its ``FLA_*`` switches.
 Grouped heads are native (fla's GVA: ``Hv % Hk == 0``, q/k never repeated). The q/k L2 norm is our
 kernel (``triton/l2norm.py``): fla's buckets the row count into a compile-time autotune key.
 
