@@ -18,6 +18,7 @@ import importlib.util
 import torch
 
 from . import cu_cache, fla_backend
+from .registry import register_backend
 
 # triton-ascend refuses a launch of more programs (same cap as kernels/triton/_grid.py)
 MAX_PROGRAMS = 65535
@@ -80,3 +81,7 @@ def recurrent_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
 def make_backend():
     return dataclasses.replace(fla_backend.make_backend(), name="ascend", available=available, priority=10,
                                recurrent_gated_delta_rule=recurrent_fwd)
+
+
+if torch_npu_importable():
+    register_backend(make_backend())

@@ -23,6 +23,7 @@ import functools
 import torch
 
 from . import cu_cache, reference
+from .registry import Backend, register_backend
 from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_bwd, l2norm_fwd, norm_bwd, norm_fwd
 
 CHUNK = 64
@@ -122,9 +123,11 @@ def recurrent_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, 
 
 
 def make_backend():
-    from .registry import Backend
     return Backend(
         name="fla", chunk_gated_delta_rule=chunk_fwd, recurrent_gated_delta_rule=recurrent_fwd,
         causal_conv1d=conv_fwd, gated_rms_norm=norm_fwd, available=available, priority=10,
         gdn_gate=gate_fwd, chunk_gated_delta_rule_bwd=chunk_bwd, recurrent_gated_delta_rule_bwd=recurrent_bwd,
         causal_conv1d_bwd=conv_bwd, gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True)
+
+
+register_backend(make_backend())
