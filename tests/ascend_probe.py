@@ -17,8 +17,8 @@ Two things a CPU machine cannot provide are stood in for, and reported in the ou
 - launch options that this triton-ascend lacks (3.2.0: ``enable_ubuf_saving``, which fla-core 0.6's
   ``chunk_gated_delta_rule_h_fwd`` kernel passes for triton-ascend >= 3.6) are dropped and listed.
 
-``--grid-check T N``: calls our kernels and the decode path at that size with ``meta`` tensors (no data),
-records every launch grid; triton-ascend raises above 65 535 programs. ``--negative-control``: a kernel
+``--grid-check T N``: the same calls at that size with ``meta`` tensors (no data; ``cu`` on the host),
+recording every launch's grid; triton-ascend raises above 65 535 programs. ``--negative-control``: a kernel
 whose length is a ``tl.constexpr`` instead (must recompile per T).
 """
 from __future__ import annotations
@@ -89,20 +89,21 @@ def stand_in_npu_tensors_and_options():
     JITFunction.run = run_without_unknown_options
 
 
-def packed_cu(T, N, empty, device="cpu"):
+def packed_cu(T, N, empty):
     cu = torch.linspace(0, T, N + 1).round().long()
     if empty and N >= 2:
         cu[1] = cu[2]            # sequence 1 has no tokens
-    return cu.to(device)
+    return cu
 
 
-def layer_calls(T, N, empty=False, device="cpu", chunk=True, dtype=torch.bfloat16):
+def layer_calls(T, N, empty=False, device="cpu", dtype=torch.bfloat16):
     """Every kernel launch of one layer forward+backward (and a decode step of N sequences) on the
     ``ascend`` backend: the Backend object's callables with the shapes the layer gives them. Data is
-    uninitialised: nothing runs, only compiles and grids are looked at."""
+    uninitialised: nothing runs, only compiles and grids are looked at. ``cu`` stays on the host (with
+    ``device="meta"``, the tensors have no values; fla sizes its chunk grids from ``cu``'s values)."""
     from gdn_layer.kernels import ascend_backend
     be = ascend_backend.make_backend()
-    cu = packed_cu(T, N, empty, device)
+    cu = packed_cu(T, N, empty)
     C = 2 * HK * D + HV * D
     e = dict(device=device, dtype=dtype)
     mixed = torch.empty(1, T, C + 2 * HV, **e)            # the all-to-all receive buffer
@@ -118,19 +119,14 @@ def layer_calls(T, N, empty=False, device="cpu", chunk=True, dtype=torch.bfloat1
     k = y[..., HK * D:2 * HK * D].unflatten(-1, (HK, D))
     v = y[..., 2 * HK * D:].unflatten(-1, (HV, D))
     state = torch.empty(N, HV, D, D, device=device)
-    if chunk:
-        o, s = be.chunk_gated_delta_rule(q, k, v, gate, beta, D ** -0.5, state, True, cu, True)
-        be.chunk_gated_delta_rule_bwd(o, s, q, k, v, gate, beta, D ** -0.5, state, cu, True)
-    else:  # grid check: the chunk kernels are fla's (their grids are fla's NPU core count)
-        o = v
-        from gdn_layer.kernels import triton_ops
-        triton_ops.l2norm_bwd(q, triton_ops.l2norm_fwd(q))
+    o, s = be.chunk_gated_delta_rule(q, k, v, gate, beta, D ** -0.5, state, True, cu, True)
+    be.chunk_gated_delta_rule_bwd(o, s, q, k, v, gate, beta, D ** -0.5, state, cu, True)
     z = torch.empty(1, T, HV, D, **e)
     norm_w = torch.empty(D, **e)
     be.gated_rms_norm(o, z, norm_w, 1e-6)
     be.gated_rms_norm_bwd(o, o, z, norm_w, 1e-6)
     # decode: one token for each of the N sequences, continuing from their states
-    dcu = torch.arange(N + 1)     # on the host (meta tensors have no values to slice by)
+    dcu = torch.arange(N + 1)
     qd, kd, vd = (torch.empty(1, N, h, D, **e) for h in (HK, HK, HV))
     gd, bd = torch.empty(1, N, HV, device=device), torch.empty(1, N, HV, **e)
     be.recurrent_gated_delta_rule(qd, kd, vd, gd, bd, D ** -0.5, state, True, dcu, True)
@@ -185,7 +181,7 @@ def grid_run(args):
             if args.negative_control:
                 negative_control(T, device="meta")
             else:
-                layer_calls(T, N, device="meta", chunk=False)
+                layer_calls(T, N, device="meta")
         except Exception as e:  # the JIT's "grid should be less than 65536", or anything else
             err = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             traceback.print_exc()

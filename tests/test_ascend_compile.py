@@ -35,7 +35,8 @@ OUR_KERNELS = {"_conv_fwd_kernel", "_conv_state_fwd_kernel", "_conv_dz_kernel", 
                "_conv_state_bwd_kernel", "_gate_fwd_kernel", "_gate_bwd_kernel", "_l2norm_fwd_kernel",
                "_l2norm_bwd_kernel", "_norm_fwd_kernel", "_norm_bwd_kernel"}
 DECODE_KERNEL = "fused_recurrent_gated_delta_rule_fwd_kernel"
-# T up to 2^20 tokens, N up to 2^16 sequences (the grid check allocates nothing: meta tensors)
+# T up to 2^20 tokens, N up to 2^16 sequences (the grid check allocates nothing: meta tensors); 16 353
+# tokens in 512 sequences stopped the conv and conv-state kernels before they were persistent
 GRID_SIZES = [(1 << 20, 1), (1 << 20, 1 << 16), (1 << 16, 1 << 16), (16353, 512)]
 
 
@@ -75,7 +76,7 @@ def test_ascend_backend_lowers_compiles_once_and_fits_the_npu_grid():
     # launch limit
     for g in r["grids"]:
         assert g["error"] is None, g
-        assert OUR_KERNELS | {DECODE_KERNEL} <= set(g["programs"]), g
+        assert set(g["programs"]) == set(r["kernels"]), g     # every kernel, fla's chunk kernels too
         over = {k: n for k, n in g["programs"].items() if n > GRID_LIMIT}
         assert not over, f"T={g['T']} N={g['N']}: launches over {GRID_LIMIT} programs: {over}"
 
