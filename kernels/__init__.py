@@ -9,8 +9,11 @@
 if __name__ == "gdn_layer.kernels":
     from .api import causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, gdn_gate, recurrent_gated_delta_rule
     from .registry import Backend, available_backends, register_backend, resolve_backend
+    from .registry import import_backend_modules as _import_backend_modules
     from .validation import check_cu_seqlens, set_validation, validation_enabled
     from .warmup import warmup
+
+    _import_backend_modules()      # each kernels/*_backend.py registers itself
 
     __all__ = [
         "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d", "gated_rms_norm", "gdn_gate",

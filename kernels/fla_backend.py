@@ -1,8 +1,11 @@
 """``"fla"`` backend: fla-core's Triton chunk kernels (CUDA), our Triton kernels for the rest.
 
-Which kernel runs is decided here, not by fla's dispatcher: we call fla's Triton forward/backward
-functions (``fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_fwd`` / ``_bwd``) directly, so fla's
-backend registry never hands the call to FlashQLA behind our back (``FLA_FLASH_QLA`` does not matter).
+We call fla's chunk forward/backward functions (``fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule_fwd``
+/ ``_bwd``) directly: that skips fla's top-level dispatch only, so fla's backend registry never hands the
+whole call to FlashQLA behind our back (``FLA_FLASH_QLA`` does not matter). The steps inside them still go
+through fla's own dispatch (``fla.backends``): on an NPU (Triton's active target ``npu``) 11 of them run
+fla's ``triton_ascend`` kernels (docs/kernels.md lists them); elsewhere fla decides by the packages it
+finds (e.g. TileLang) and its ``FLA_*`` switches.
 Grouped heads are native (fla's GVA: ``Hv % Hk == 0``, q/k never repeated). The q/k L2 norm is our
 kernel (``triton/l2norm.py``): fla's buckets the row count into a compile-time autotune key.
 
@@ -20,6 +23,7 @@ import functools
 import torch
 
 from . import cu_cache, reference
+from .registry import Backend, register_backend
 from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_bwd, l2norm_fwd, norm_bwd, norm_fwd
 
 CHUNK = 64
@@ -119,9 +123,11 @@ def recurrent_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, 
 
 
 def make_backend():
-    from .registry import Backend
     return Backend(
         name="fla", chunk_gated_delta_rule=chunk_fwd, recurrent_gated_delta_rule=recurrent_fwd,
         causal_conv1d=conv_fwd, gated_rms_norm=norm_fwd, available=available, priority=10,
         gdn_gate=gate_fwd, chunk_gated_delta_rule_bwd=chunk_bwd, recurrent_gated_delta_rule_bwd=recurrent_bwd,
         causal_conv1d_bwd=conv_bwd, gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True)
+
+
+register_backend(make_backend())

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from . import cu_cache, fla_backend, varlen
+from .registry import Backend, register_backend
 from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_bwd, l2norm_fwd, norm_bwd, norm_fwd
 
 log = logging.getLogger("gdn_layer.kernels")
@@ -154,7 +155,6 @@ def warmup_sequence_counts(num_v_heads: int) -> tuple[int, ...]:
 
 
 def make_backend():
-    from .registry import Backend
     return Backend(
         name="flash_qla", chunk_gated_delta_rule=chunk_fwd, recurrent_gated_delta_rule=fla_backend.recurrent_fwd,
         causal_conv1d=conv_fwd, gated_rms_norm=norm_fwd, available=available, priority=20,
@@ -162,3 +162,6 @@ def make_backend():
         recurrent_gated_delta_rule_bwd=fla_backend.recurrent_bwd, causal_conv1d_bwd=conv_bwd,
         gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True,
         warmup_sequence_counts=warmup_sequence_counts)
+
+
+register_backend(make_backend())

@@ -5,12 +5,17 @@ A backend is a named set of ops (``chunk_gated_delta_rule``, ``recurrent_gated_d
 resolved once per (device type) and the choice is logged once; an explicit name that cannot run on
 the device raises at bind time (``resolve_backend``), not deep inside a forward.
 
-Registered here: ``"torch"`` (the reference, any device). Accelerator backends register themselves
-with ``register_backend`` when their libraries import.
+Registered here: ``"torch"`` (the reference, any device). Every other backend is a module
+``kernels/<name>_backend.py`` that registers itself with ``register_backend`` when imported (a backend
+whose library is missing either registers with an ``available`` that says why, or does not register);
+``import_backend_modules`` imports them all, once, from the package's ``__init__``.
 """
 from __future__ import annotations
 
+import importlib
 import logging
+import pathlib
+import pkgutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -130,14 +135,13 @@ register_backend(Backend(
 ))
 
 
-def _register_accelerator_backends() -> None:
-    """fla and FlashQLA on CUDA (their libraries import lazily, when a CUDA device asks); Ascend only
-    where torch_npu imports."""
-    from . import ascend_backend, fla_backend, flash_qla_backend
-    register_backend(fla_backend.make_backend())
-    register_backend(flash_qla_backend.make_backend())
-    if ascend_backend.torch_npu_importable():
-        register_backend(ascend_backend.make_backend())
-
-
-_register_accelerator_backends()
+def import_backend_modules() -> list[str]:
+    """Import every ``*_backend`` module of this package, in name order; each registers its backend at
+    import (``register_backend``, guarded by what it needs: the Ascend one only where torch_npu
+    imports). Called once by ``gdn_layer.kernels``' ``__init__``, so adding a backend is adding one
+    ``kernels/<name>_backend.py``; the registry itself imports no backend. Returns the module names."""
+    names = sorted(m.name for m in pkgutil.iter_modules([str(pathlib.Path(__file__).parent)])
+                   if m.name.endswith("_backend"))
+    for name in names:
+        importlib.import_module(f"{__package__}.{name}")
+    return names

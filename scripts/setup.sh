@@ -20,3 +20,12 @@ fi
 # fla-core for tests/test_triton_compile.py only, kept out of the venv's site-packages: installed there,
 # transformers would pick fla's CUDA kernels for its own GatedDeltaNet on this CPU machine.
 [ -d .venv/fla-site/fla ] || .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .venv/fla-site fla-core==0.6.0
+# triton-ascend for tests/test_ascend_compile.py, in its own environment: it replaces the `triton`
+# package (so it cannot sit next to CUDA Triton) and needs pybind11 to build its launcher stubs. The
+# probe runs our kernels and fla-core's Ascend kernels through its compiler with a stand-in NPU driver;
+# 3.2.0 is the version this machine's package index offers (fla-core 0.6's Ascend kernels want 3.6.0:
+# see the `npu` extra in pyproject.toml and docs/kernels.md).
+[ -x .venv-ascend/bin/python ] || python3 -m venv .venv-ascend
+.venv-ascend/bin/pip install -q --disable-pip-version-check torch==2.13.0
+.venv-ascend/bin/pip install -q --disable-pip-version-check triton-ascend==3.2.0 pybind11 numpy packaging einops
+.venv-ascend/bin/pip install -q --disable-pip-version-check --no-deps -e .

@@ -2,7 +2,9 @@
 
 One file per operation (forward kernel, backward kernel, launchers, autograd): ``conv.py`` (varlen
 causal conv1d + SiLU with conv states), ``gate.py`` (``g``, ``beta``), ``norm.py`` (gated RMSNorm);
-``_math.py`` holds the portable elementwise helpers they share (sigmoid, softplus, bf16 rounding).
+``_math.py`` holds the portable elementwise helpers they share (sigmoid, softplus, bf16 rounding),
+``_grid.py`` the launch-size cap (at most 65 535 programs per launch: persistent programs loop over
+their tiles).
 Every length- or count-derived argument is a runtime argument (``do_not_specialize``), never a
 ``tl.constexpr`` or an autotune key, so a new packed layout compiles nothing; block sizes depend on
 channel / head dims only. They run under ``TRITON_INTERPRET=1`` (the CPU tests) and use no

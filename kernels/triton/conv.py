@@ -7,21 +7,26 @@ conv state ``initial_state[n]``, zeros when None)::
     final_state[n] = the last W-1 entries of [initial_state[n] | x_n]     (oldest first)
 
 Five kernels, all with one fixed config (block sizes from C and W only) and every length- or
-count-derived argument (``T``, batch strides) a runtime argument in ``do_not_specialize``, so a new
+count-derived argument (``T``, ``N``, tile counts, batch strides) a runtime argument in ``do_not_specialize``, so a new
 packed layout compiles nothing:
 
-- ``_conv_fwd_kernel``, grid ``(cdiv(T, BLOCK_T) * B, cdiv(C, BLOCK_C))``: y for a tile of tokens x
-  channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the caches).
-- ``_conv_state_fwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: gathers ``final_state[n]``.
-- ``_conv_dz_kernel``, same grid as the forward: the pre-activation's gradient dz (z recomputed from
-  x; the forward saves nothing but its inputs) into a ``[B, T, C]`` scratch buffer, plus the tile's
-  partial sums of dweight and dbias (summed over the tiles in torch afterwards: deterministic, no
-  atomics).
-- ``_conv_dx_kernel``, same grid: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
+Grids are persistent (``_grid.py``): axis 1 is the channel block, axis 0 holds at most
+``65535 // cdiv(C, BLOCK_C)`` programs and program p takes tiles (or sequences) p, p + P, ... of its
+axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
+
+- ``_conv_fwd_kernel``, over the ``cdiv(T, BLOCK_T) * B`` token tiles x channel blocks: y for a tile
+  of tokens x channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the
+  caches).
+- ``_conv_state_fwd_kernel``, over the N sequences x channel blocks: gathers ``final_state[n]``.
+- ``_conv_dz_kernel``, same tiles as the forward: the pre-activation's gradient dz (z recomputed from
+  x; the forward saves nothing but its inputs) into a ``[B, T, C]`` scratch buffer, plus each
+  program's partial sums of dweight and dbias over its tiles (summed over the programs in torch
+  afterwards: deterministic, no atomics).
+- ``_conv_dx_kernel``, same tiles: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
   instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
   spilled registers; the scratch round trip costs less.
-- ``_conv_state_bwd_kernel``, grid ``(N, cdiv(C, BLOCK_C))``: ``d initial_state[n]``, with the dz of
-  the sequence's first W-1 tokens recomputed in fp32 (the scratch dz may be 16-bit).
+- ``_conv_state_bwd_kernel``, over the N sequences x channel blocks: ``d initial_state[n]``, with the
+  dz of the sequence's first W-1 tokens recomputed in fp32 (the scratch dz may be 16-bit).
 
 With ``cu`` (packed, B == 1) each token's sequence index comes from ``torch.searchsorted`` on the
 device (no host sync). x is read in place through its strides (typically a channel slice of a wider
@@ -35,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .. import cu_cache
+from ._grid import programs
 
 # Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
@@ -93,190 +99,203 @@ def _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c, valid, near, cma
     return g
 
 
-@triton.jit(do_not_specialize=["T"])
-def _tile(T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """This program's tile of the ``(cdiv(T, BLOCK_T) * B, cdiv(C, BLOCK_C))`` grid: axis 0 folds
-    (batch row b, token block) (CUDA caps axes 1 and 2 at 65535). Returns ``(pid, b, t, c, t < T, c < C)``
-    with t the tile's token positions in row b and c its channels."""
-    pid = tl.program_id(0)
+@triton.jit(do_not_specialize=["tile", "T"])
+def _tile(tile, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Token tile ``tile`` of the ``cdiv(T, BLOCK_T) * B`` tiles (folding batch row b and token block)
+    and this program's channel block (axis 1). Returns ``(b, t, c, t < T, c < C)`` with t the tile's token
+    positions in row b and c its channels."""
     n_tb = tl.cdiv(T, BLOCK_T)
-    b = (pid // n_tb).to(tl.int64)
-    t = (pid % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b = (tile // n_tb).to(tl.int64)
+    t = (tile % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    return pid, b, t, c, t < T, c < C
+    return b, t, c, t < T, c < C
 
 
-@triton.jit(do_not_specialize=["T", "stride_xb"])
+@triton.jit(do_not_specialize=["T", "NT", "stride_xb"])
 def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y,
-                     T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+                     T, NT, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
                      stride_in, stride_ic, stride_ik,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                      SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """y for tokens [tb*BLOCK_T, +BLOCK_T) of batch row b, channels [cb*BLOCK_C, +BLOCK_C).
+    """y for token tiles p, p + P, ... (of the NT = ``cdiv(T, BLOCK_T) * B``; P programs on axis 0) and
+    channel block ``program_id(1)``; a tile is tokens [tb*BLOCK_T, +BLOCK_T) of batch row b."""
+    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+        b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
+        if IS_VARLEN:  # B == 1; positions are relative to each token's own sequence start
+            n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
+            s = tl.load(cu + n, mask=tmask, other=0)
+            x_base = (s * stride_xt)[:, None]
+            init_base = (n * stride_in)[:, None]
+            r1 = t - s
+        else:
+            x_base = b * stride_xb
+            init_base = b * stride_in
+            r1 = t
+        r = r1[:, None]
+        near = tl.min(tl.where(tmask, r1, W)) < W - 1
+        valid = tmask[:, None] & cmask[None, :]
+        z = _preact(x, init, w, bias, x_base, init_base, r, c[None, :], valid, near, cmask[None, :],
+                    stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
+                    W, HAS_BIAS, HAS_INIT, ACC)
+        if SILU:
+            z = z / (1.0 + tl.exp(-z))
+        tl.store(y + (b * T + t)[:, None] * C + c[None, :], z.to(y.dtype.element_ty), mask=valid)
 
-    Axis 0 folds (b, tb) (``cdiv(T, BLOCK_T) * B`` programs; axes 1 and 2 are capped at 65535).
-    """
-    pid, b, t, c, tmask, cmask = _tile(T, C, BLOCK_T, BLOCK_C)
-    if IS_VARLEN:  # B == 1; positions are relative to each token's own sequence start
-        n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
-        s = tl.load(cu + n, mask=tmask, other=0)
-        x_base = (s * stride_xt)[:, None]
-        init_base = (n * stride_in)[:, None]
-        r1 = t - s
-    else:
-        x_base = b * stride_xb
-        init_base = b * stride_in
-        r1 = t
-    r = r1[:, None]
-    near = tl.min(tl.where(tmask, r1, W)) < W - 1
-    valid = tmask[:, None] & cmask[None, :]
-    z = _preact(x, init, w, bias, x_base, init_base, r, c[None, :], valid, near, cmask[None, :],
-                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-                W, HAS_BIAS, HAS_INIT, ACC)
-    if SILU:
-        z = z / (1.0 + tl.exp(-z))
-    tl.store(y + (b * T + t)[:, None] * C + c[None, :], z.to(y.dtype.element_ty), mask=valid)
 
-
-@triton.jit(do_not_specialize=["T", "stride_xb"])
-def _conv_state_fwd_kernel(x, init, cu, final, T, C, stride_xb, stride_xt, stride_xc, stride_in, stride_ic, stride_ik,
-                           W: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
-    """final_state[n, c, k] for one sequence n and a block of channels (all W-1 entries k)."""
-    n = tl.program_id(0).to(tl.int64)
+@triton.jit(do_not_specialize=["T", "N", "stride_xb"])
+def _conv_state_fwd_kernel(x, init, cu, final, T, N, C, stride_xb, stride_xt, stride_xc, stride_in, stride_ic,
+                           stride_ik, W: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """final_state[n, c, k] for sequences n = p, p + P, ... (P programs on axis 0) and a block of
+    channels (all W-1 entries k)."""
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[:, None]
     k = tl.arange(0, BLOCK_K)[None, :]
-    if IS_VARLEN:
-        s = tl.load(cu + n)
-        length = tl.load(cu + n + 1) - s
-        x_base = s * stride_xt
-    else:
-        length = T + tl.zeros((), tl.int64)
-        x_base = n * stride_xb
     # entry k is input W-1+k-... of [init | x_n]: relative position length-(W-1)+k (< 0: still in init)
     valid = (c < C) & (k < W - 1)
-    v = _tap(x, init, x_base, n * stride_in, length - (W - 1) + k, c, valid, True, stride_xt, stride_xc, stride_ic, stride_ik,
-             W, HAS_INIT, ACC)
-    tl.store(final + (n * C + c) * (W - 1) + k, v, mask=valid)
+    for n32 in range(tl.program_id(0), N, tl.num_programs(0)):
+        n = n32 + tl.zeros((), tl.int64)
+        if IS_VARLEN:
+            s = tl.load(cu + n)
+            length = tl.load(cu + n + 1) - s
+            x_base = s * stride_xt
+        else:
+            length = T + tl.zeros((), tl.int64)
+            x_base = n * stride_xb
+        v = _tap(x, init, x_base, n * stride_in, length - (W - 1) + k, c, valid, True, stride_xt, stride_xc,
+                 stride_ic, stride_ik, W, HAS_INIT, ACC)
+        tl.store(final + (n * C + c) * (W - 1) + k, v, mask=valid)
 
 
-@triton.jit(do_not_specialize=["T", "stride_xb", "stride_dyb"])
+@triton.jit(do_not_specialize=["T", "NT", "stride_xb", "stride_dyb"])
 def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dz, dw_part, db_part,
-                    T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+                    T, NT, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
                     stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dz (the pre-activation's gradient) for the forward's tile, and the tile's partial dweight [C, W]
-    and dbias [C] (row pid of the parts).
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    """dz (the pre-activation's gradient) for the forward's tiles (p, p + P, ...), and the program's
+    partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts).
 
     z is recomputed from x (W taps); the taps are read again for dweight (cache hits).
     """
-    pid, b, t, c, tmask, cmask = _tile(T, C, BLOCK_T, BLOCK_C)
-    if IS_VARLEN:
-        n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
-        s = tl.load(cu + n, mask=tmask, other=0)
-        x_base = (s * stride_xt)[:, None]
-        dy_base = (s * stride_dyt)[:, None]
-        init_base = (n * stride_in)[:, None]
-        r1 = t - s
-    else:
-        x_base = b * stride_xb
-        dy_base = b * stride_dyb
-        init_base = b * stride_in
-        r1 = t
-    r = r1[:, None]
-    near = tl.min(tl.where(tmask, r1, W)) < W - 1
-    c2, cm2 = c[None, :], cmask[None, :]
-    valid = tmask[:, None] & cm2
-    g = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c2, valid, near, cm2,
-            stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
-            W, HAS_BIAS, HAS_INIT, SILU, ACC)
-    tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
+    pid = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    kw = tl.arange(0, BLOCK_W)
+    acc_db = tl.zeros((BLOCK_C,), ACC)
+    acc_dw = tl.zeros((BLOCK_C, BLOCK_W), ACC)      # [channel, tap index of weight]
+    for tile in range(pid, NT, tl.num_programs(0)):
+        b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
+        if IS_VARLEN:
+            n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
+            s = tl.load(cu + n, mask=tmask, other=0)
+            x_base = (s * stride_xt)[:, None]
+            dy_base = (s * stride_dyt)[:, None]
+            init_base = (n * stride_in)[:, None]
+            r1 = t - s
+        else:
+            x_base = b * stride_xb
+            dy_base = b * stride_dyb
+            init_base = b * stride_in
+            r1 = t
+        r = r1[:, None]
+        near = tl.min(tl.where(tmask, r1, W)) < W - 1
+        c2, cm2 = c[None, :], cmask[None, :]
+        valid = tmask[:, None] & cm2
+        g = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c2, valid, near, cm2,
+                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+                W, HAS_BIAS, HAS_INIT, SILU, ACC)
+        tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
+        if HAS_BIAS:
+            acc_db += tl.sum(g, 0)
+        for i in tl.static_range(W):
+            xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
+                      W, HAS_INIT, ACC)
+            acc_dw += tl.where(kw[None, :] == W - 1 - i, tl.sum(g * xi, 0)[:, None], 0.0)
     part = pid.to(tl.int64) * C + c
+    cmask = c < C
     if HAS_BIAS:
-        tl.store(db_part + part, tl.sum(g, 0), mask=cmask)
-    for i in tl.static_range(W):
-        xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
-                  W, HAS_INIT, ACC)
-        tl.store(dw_part + part * W + (W - 1 - i), tl.sum(g * xi, 0), mask=cmask)
+        tl.store(db_part + part, acc_db, mask=cmask)
+    tl.store(dw_part + part[:, None] * W + kw[None, :], acc_dw, mask=cmask[:, None] & (kw < W)[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
-def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
+@triton.jit(do_not_specialize=["T", "NT"])
+def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
                     W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx for the forward's tile: x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence),
+    """dx for the forward's tiles (p, p + P, ...): x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence),
     so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last W-1 tokens of each sequence.
 
     dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output).
     """
-    pid, b, t, c, tmask, cmask = _tile(T, C, BLOCK_T, BLOCK_C)
-    if IS_VARLEN:
-        n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
-        end1 = tl.load(cu + n + 1, mask=tmask, other=0)      # one past the sequence's last token
-        n_row = n[:, None]
-    else:
-        end1 = T + tl.zeros((BLOCK_T,), tl.int64)
-        n_row = b
-    c2, cm2 = c[None, :], cmask[None, :]
-    valid = tmask[:, None] & cm2
-    tt, end = t[:, None], end1[:, None]
-    rows = b * T + tt
-    acc = tl.zeros((BLOCK_T, BLOCK_C), ACC)
-    for j in tl.static_range(W):
-        w_j = tl.load(w + c2 * stride_wc + (W - 1 - j) * stride_ww, mask=cm2, other=0.0).to(ACC)
-        acc += w_j * tl.load(dz + (rows + j) * C + c2, mask=valid & (tt + j < end), other=0.0).to(ACC)
-    if HAS_DFINAL:
-        if tl.min(tl.where(tmask, end1 - t, W)) < W:
-            k = W - 1 - (end - tt)  # x_p is final-state entry k when it is among the last W-1 tokens
-            acc += tl.load(dfinal + n_row * stride_dfn + c2 * stride_dfc + k * stride_dfk,
-                           mask=valid & (k >= 0), other=0.0).to(ACC)
-    tl.store(dx + rows * C + c2, acc.to(dx.dtype.element_ty), mask=valid)
+    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+        b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
+        if IS_VARLEN:
+            n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
+            end1 = tl.load(cu + n + 1, mask=tmask, other=0)      # one past the sequence's last token
+            n_row = n[:, None]
+        else:
+            end1 = T + tl.zeros((BLOCK_T,), tl.int64)
+            n_row = b
+        c2, cm2 = c[None, :], cmask[None, :]
+        valid = tmask[:, None] & cm2
+        tt, end = t[:, None], end1[:, None]
+        rows = b * T + tt
+        acc = tl.zeros((BLOCK_T, BLOCK_C), ACC)
+        for j in tl.static_range(W):
+            w_j = tl.load(w + c2 * stride_wc + (W - 1 - j) * stride_ww, mask=cm2, other=0.0).to(ACC)
+            acc += w_j * tl.load(dz + (rows + j) * C + c2, mask=valid & (tt + j < end), other=0.0).to(ACC)
+        if HAS_DFINAL:
+            if tl.min(tl.where(tmask, end1 - t, W)) < W:
+                k = W - 1 - (end - tt)  # x_p is final-state entry k when it is among the last W-1 tokens
+                acc += tl.load(dfinal + n_row * stride_dfn + c2 * stride_dfc + k * stride_dfk,
+                               mask=valid & (k >= 0), other=0.0).to(ACC)
+        tl.store(dx + rows * C + c2, acc.to(dx.dtype.element_ty), mask=valid)
 
 
-@triton.jit(do_not_specialize=["T", "stride_xb", "stride_dyb"])
+@triton.jit(do_not_specialize=["T", "N", "stride_xb", "stride_dyb"])
 def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dfinal, dinit,
-                           T, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+                           T, N, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
                            stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
                            stride_dfn, stride_dfc, stride_dfk,
                            W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DFINAL: tl.constexpr,
                            IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
-    """d initial_state[n, c, k] for one sequence n and a block of channels (all W-1 entries k).
+    """d initial_state[n, c, k] for sequences n = p, p + P, ... (P programs on axis 0) and a block of
+    channels (all W-1 entries k).
 
     Entry k sits at relative position k-(W-1) and feeds z_{k-(W-1)+j} through weight[:, W-1-j] while
     that token exists; it is also final-state entry k-length when the sequence is shorter than W-1-k.
     """
-    n = tl.program_id(0).to(tl.int64)
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[:, None]
     k = tl.arange(0, BLOCK_K)[None, :]
     cmask = c < C
-    if IS_VARLEN:
-        s = tl.load(cu + n)
-        length = tl.load(cu + n + 1) - s
-        x_base = s * stride_xt
-        dy_base = s * stride_dyt
-    else:
-        length = T + tl.zeros((), tl.int64)
-        x_base = n * stride_xb
-        dy_base = n * stride_dyb
     kvalid = cmask & (k < W - 1)
     r = k - (W - 1)
-    init_base = n * stride_in
-    acc = tl.zeros((BLOCK_C, BLOCK_K), ACC)
-    for j in tl.static_range(W):
-        rt = r + j
-        dz = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, rt, c, kvalid & (rt >= 0) & (rt < length), True, cmask,
-                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
-                 W, HAS_BIAS, True, SILU, ACC)
-        w_j = tl.load(w + c * stride_wc + (W - 1 - j) * stride_ww, mask=cmask, other=0.0).to(ACC)
-        acc += w_j * dz
-    if HAS_DFINAL:
-        kf = k - length
-        acc += tl.load(dfinal + n * stride_dfn + c * stride_dfc + kf * stride_dfk,
-                       mask=kvalid & (kf >= 0), other=0.0).to(ACC)
-    tl.store(dinit + (n * C + c) * (W - 1) + k, acc.to(dinit.dtype.element_ty), mask=kvalid)
+    for n32 in range(tl.program_id(0), N, tl.num_programs(0)):
+        n = n32 + tl.zeros((), tl.int64)
+        if IS_VARLEN:
+            s = tl.load(cu + n)
+            length = tl.load(cu + n + 1) - s
+            x_base = s * stride_xt
+            dy_base = s * stride_dyt
+        else:
+            length = T + tl.zeros((), tl.int64)
+            x_base = n * stride_xb
+            dy_base = n * stride_dyb
+        init_base = n * stride_in
+        acc = tl.zeros((BLOCK_C, BLOCK_K), ACC)
+        for j in tl.static_range(W):
+            rt = r + j
+            dz = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, rt, c, kvalid & (rt >= 0) & (rt < length), True,
+                     cmask, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt,
+                     stride_dyc, W, HAS_BIAS, True, SILU, ACC)
+            w_j = tl.load(w + c * stride_wc + (W - 1 - j) * stride_ww, mask=cmask, other=0.0).to(ACC)
+            acc += w_j * dz
+        if HAS_DFINAL:
+            kf = k - length
+            acc += tl.load(dfinal + n * stride_dfn + c * stride_dfc + kf * stride_dfk,
+                           mask=kvalid & (kf >= 0), other=0.0).to(ACC)
+        tl.store(dinit + (n * C + c) * (W - 1) + k, acc.to(dinit.dtype.element_ty), mask=kvalid)
 
 
 def _compute_dtype(*tensors):
@@ -316,12 +335,13 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     dummy = x
     sin = _strides3(initial_state)
     block_c = _block_c(C)
+    n_cb = triton.cdiv(C, block_c)
     if B * T > 0 and C > 0:
-        grid = (triton.cdiv(T, BLOCK_T) * B, triton.cdiv(C, block_c))
-        _conv_fwd_kernel[grid](
+        n_tiles = triton.cdiv(T, BLOCK_T) * B
+        _conv_fwd_kernel[(programs(n_tiles, n_cb), n_cb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, y,
-            T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+            T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
             SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS)
@@ -329,9 +349,9 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     if output_final_state:
         final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
         if final.numel() > 0:
-            _conv_state_fwd_kernel[(N, triton.cdiv(C, block_c))](
+            _conv_state_fwd_kernel[(programs(N, n_cb), n_cb)](
                 x, dummy if initial_state is None else initial_state, dummy if cu is None else cu, final,
-                T, C, x.stride(0), x.stride(1), x.stride(2), *sin,
+                T, N, C, x.stride(0), x.stride(1), x.stride(2), *sin,
                 W=W, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None, ACC=acc,
                 BLOCK_K=triton.next_power_of_2(W - 1), BLOCK_C=block_c)
     return y, final
@@ -351,7 +371,9 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     acc = tl.float64 if dt == torch.float64 else tl.float32
     silu = activation in ("silu", "swish")
     block_c = _block_c(C)
-    n_prog = triton.cdiv(T, BLOCK_T) * B
+    n_cb = triton.cdiv(C, block_c)
+    n_tiles = triton.cdiv(T, BLOCK_T) * B
+    n_prog = programs(n_tiles, n_cb) if C > 0 else 0
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
     # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
@@ -366,23 +388,24 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     seq_idx = dummy if cu is None else _seq_index(cu, T)
     cu_arg, df_arg = (dummy if cu is None else cu), (dummy if dfinal is None else dfinal)
     if n_prog > 0 and C > 0:
-        _conv_dz_kernel[(n_prog, triton.cdiv(C, block_c))](
+        _conv_dz_kernel[(n_prog, n_cb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             seq_idx, cu_arg, dy, dz, dw_part, db_part,
-            T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+            T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin, *dy.stride(),
-            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=BLOCK_T, **flags)
-        _conv_dx_kernel[(n_prog, triton.cdiv(C, block_c))](
-            weight, seq_idx, cu_arg, dz, df_arg, dx, T, C, weight.stride(0), weight.stride(1), *sdf,
+            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=BLOCK_T,
+            BLOCK_W=triton.next_power_of_2(W), **flags)
+        _conv_dx_kernel[(n_prog, n_cb)](
+            weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, **flags)
     dinit = None
     if initial_state is not None:
         dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)
         if dinit.numel() > 0:
             # recomputes dz of each sequence's first W-1 tokens in fp32 (dz above may be 16-bit)
-            _conv_state_bwd_kernel[(N, triton.cdiv(C, block_c))](
+            _conv_state_bwd_kernel[(programs(N, n_cb), n_cb)](
                 x, weight, dummy if bias is None else bias, initial_state, cu_arg, dy, df_arg, dinit,
-                T, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+                T, N, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
                 0 if bias is None else bias.stride(0), *sin, *dy.stride(), *sdf,
                 HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, SILU=silu,
                 BLOCK_K=triton.next_power_of_2(W - 1), **flags)

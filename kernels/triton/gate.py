@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._grid import programs
 from ._math import cast_rne, compute_tl_dtype, rne, sigmoid, softplus
 
 # Elements per tile (BLOCK_T * BLOCK_H); read at call time so tests can shrink it to force many tiles.
@@ -43,22 +44,22 @@ def _row_offsets(rows, T, stride_b, stride_t):
 def _gate_fwd_kernel(a, b, A_log, dt_bias, g, beta, T, N, stride_ab, stride_at, stride_bb, stride_bt,
                      H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                      G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr):
-    """Grid ``(cdiv(N, BLOCK_T),)``; program i writes g and beta of token rows ``[i*BLOCK_T, (i+1)*BLOCK_T)``."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Grid ``(min(cdiv(N, BLOCK_T), 65535),)``; program p writes g and beta of token-row tiles p, p + P,
+    ... of ``BLOCK_T`` rows (P programs)."""
     heads = tl.arange(0, BLOCK_H)
     m_h = heads < H
-    mask = (rows < N)[:, None] & m_h[None, :]
-    off_a = _row_offsets(rows, T, stride_ab, stride_at)[:, None] + heads[None, :]
-    off_b = _row_offsets(rows, T, stride_bb, stride_bt)[:, None] + heads[None, :]
-    off_o = rows[:, None] * H + heads[None, :]
-
     neg_A = -tl.exp(tl.load(A_log + heads, mask=m_h, other=0.0).to(G_DTYPE))
     bias = tl.load(dt_bias + heads, mask=m_h, other=0.0).to(G_DTYPE)
-    x = tl.load(a + off_a, mask=mask, other=0.0).to(G_DTYPE) + bias[None, :]
-    tl.store(g + off_o, (neg_A[None, :] * softplus(x)).to(g.dtype.element_ty), mask=mask)
-
-    bv = tl.load(b + off_b, mask=mask, other=0.0).to(BETA_DTYPE)
-    tl.store(beta + off_o, cast_rne(sigmoid(bv), beta.dtype.element_ty), mask=mask)
+    for start in range(tl.program_id(0) * BLOCK_T, N, tl.num_programs(0) * BLOCK_T):
+        rows = start + tl.arange(0, BLOCK_T).to(tl.int64)
+        mask = (rows < N)[:, None] & m_h[None, :]
+        off_a = _row_offsets(rows, T, stride_ab, stride_at)[:, None] + heads[None, :]
+        off_b = _row_offsets(rows, T, stride_bb, stride_bt)[:, None] + heads[None, :]
+        off_o = rows[:, None] * H + heads[None, :]
+        x = tl.load(a + off_a, mask=mask, other=0.0).to(G_DTYPE) + bias[None, :]
+        tl.store(g + off_o, (neg_A[None, :] * softplus(x)).to(g.dtype.element_ty), mask=mask)
+        bv = tl.load(b + off_b, mask=mask, other=0.0).to(BETA_DTYPE)
+        tl.store(beta + off_o, cast_rne(sigmoid(bv), beta.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["T", "N", "NB", "stride_ab", "stride_at", "stride_bb", "stride_bt",
@@ -143,7 +144,7 @@ def gdn_gate_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias:
     if N == 0:
         return g, beta
     BLOCK_T, BLOCK_H = _blocks(H)
-    _gate_fwd_kernel[(triton.cdiv(N, BLOCK_T),)](
+    _gate_fwd_kernel[(programs(triton.cdiv(N, BLOCK_T)),)](
         a, b, A_log, dt_bias, g, beta, T, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         H=H, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, G_DTYPE=g_dt, BETA_DTYPE=beta_dt, num_warps=_NUM_WARPS)
     return g, beta

@@ -5,7 +5,8 @@ re-autotunes and recompiles when the packed length crosses a bucket; this one ne
 
 Layout: ``x [B, T, H, D]`` with ``stride(-1) == 1`` and any strides on B, T and H (a view of the conv
 output is read in place). Rows ``M = B*T*H`` are flattened as ``(b*T + t) * H + h``.
-Grid: ``(cdiv(M, BLOCK_M),)``; program i normalises rows ``[i*BLOCK_M, (i+1)*BLOCK_M)``.
+Grid: ``(min(cdiv(M, BLOCK_M), 65535),)`` (``_grid.py``); program p normalises row tiles p, p + P, ...
+of ``BLOCK_M`` rows (P programs).
 Runtime (never specialised): ``M``, ``T``, ``H`` and every stride. Compile-time: ``D`` (head dim) and
 the block sizes derived from it.
 """
@@ -15,15 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ._grid import programs
+
 EPS = 1e-6
 BLOCK_M = 16
 
 
-@triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h"])
-def _load_rows(x, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, BD: tl.constexpr,
+@triton.jit(do_not_specialize=["start", "M", "T", "H", "stride_b", "stride_t", "stride_h"])
+def _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, BD: tl.constexpr,
                BLOCK: tl.constexpr):
-    """This program's rows of x (fp32, masked), their flat indices, the mask and 1 / ||row||."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    """Rows ``[start, start + BLOCK)`` of x (fp32, masked), their flat indices, the mask and 1 / ||row||."""
+    rows = start + tl.arange(0, BLOCK).to(tl.int64)
     cols = tl.arange(0, BD)
     h = rows % H
     bt = rows // H
@@ -36,18 +39,20 @@ def _load_rows(x, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, B
 @triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h"])
 def _l2norm_fwd_kernel(x, y, M, T, H, stride_b, stride_t, stride_h, eps,
                        D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr):
-    bx, rows, cols, mask, rstd = _load_rows(x, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
-    tl.store(y + rows[:, None] * D + cols[None, :], (bx * rstd[:, None]).to(y.dtype.element_ty), mask=mask)
+    for start in range(tl.program_id(0) * BLOCK, M, tl.num_programs(0) * BLOCK):
+        bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+        tl.store(y + rows[:, None] * D + cols[None, :], (bx * rstd[:, None]).to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h"])
 def _l2norm_bwd_kernel(x, dy, dx, M, T, H, stride_b, stride_t, stride_h, eps,
                        D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr):
-    bx, rows, cols, mask, rstd = _load_rows(x, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
-    bdy = tl.load(dy + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    by = bx * rstd[:, None]
-    bdx = (bdy - tl.sum(bdy * by, 1)[:, None] * by) * rstd[:, None]
-    tl.store(dx + rows[:, None] * D + cols[None, :], bdx.to(dx.dtype.element_ty), mask=mask)
+    for start in range(tl.program_id(0) * BLOCK, M, tl.num_programs(0) * BLOCK):
+        bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+        bdy = tl.load(dy + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        by = bx * rstd[:, None]
+        bdx = (bdy - tl.sum(bdy * by, 1)[:, None] * by) * rstd[:, None]
+        tl.store(dx + rows[:, None] * D + cols[None, :], bdx.to(dx.dtype.element_ty), mask=mask)
 
 
 def _launch_args(x: torch.Tensor):
@@ -66,7 +71,7 @@ def l2norm_fwd(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     M, T, H, sb, st, sh, D, BD = _launch_args(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if M:
-        _l2norm_fwd_kernel[(triton.cdiv(M, BLOCK_M),)](x, y, M, T, H, sb, st, sh, eps, D=D, BD=BD, BLOCK=BLOCK_M)
+        _l2norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](x, y, M, T, H, sb, st, sh, eps, D=D, BD=BD, BLOCK=BLOCK_M)
     return y
 
 
@@ -80,5 +85,5 @@ def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float = EPS) -> torch.Ten
     dy = dy.contiguous()
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if M:
-        _l2norm_bwd_kernel[(triton.cdiv(M, BLOCK_M),)](x, dy, dx, M, T, H, sb, st, sh, eps, D=D, BD=BD, BLOCK=BLOCK_M)
+        _l2norm_bwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](x, dy, dx, M, T, H, sb, st, sh, eps, D=D, BD=BD, BLOCK=BLOCK_M)
     return dx

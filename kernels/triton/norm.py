@@ -8,7 +8,8 @@ dtype; rounded to x's dtype.
 Shapes: ``x, z: [..., D]`` (same shape, ``stride(-1) == 1``), ``D <= 1024`` (any value: the block is
 ``next_power_of_2(D)`` wide and masked); ``weight: [D]``. Leading dims are flattened to ``M`` rows by a
 view when the strides allow (rows of a wider buffer are read in place), else by a copy. The kernels
-walk tiles of ``BLOCK_M`` rows by the whole ``D``; the grid is one axis. ``N`` (the row count, M), the
+walk tiles of ``BLOCK_M`` rows by the whole ``D``; the grid is one axis of at most 65 535 programs
+(``_grid.py``), each looping over its tiles. ``N`` (the row count, M), the
 program count ``NB`` and the row strides are runtime arguments (``do_not_specialize``): a new token
 count or packing compiles nothing. Block sizes depend on ``D`` only; one fixed config, no autotune.
 """
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._grid import programs
 from ._math import cast_rne, compute_tl_dtype, rne, sigmoid, tl_dtype
 
 MAX_D = 1024
@@ -50,23 +52,25 @@ def _rstd(xv, eps, D: tl.constexpr):
 def _norm_fwd_kernel(x, z, w, y, rstd, N, stride_x, stride_z, eps,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                      C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr):
-    """Grid ``(cdiv(N, BLOCK_M),)``; program i normalises rows ``[i*BLOCK_M, (i+1)*BLOCK_M)``.
+    """Grid ``(min(cdiv(N, BLOCK_M), 65535),)``; program p normalises row tiles p, p + P, ... of
+    ``BLOCK_M`` rows (P programs).
 
     Writes y (contiguous ``[N, D]``) and rstd ``[N]`` (compute dtype) for those rows.
     """
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
-    m_r = rows < N
     m_c = cols < D
-    mask = m_r[:, None] & m_c[None, :]
-    xv = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
-    zv = tl.load(z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
     wv = tl.load(w + cols, mask=m_c, other=0.0).to(C_DTYPE)
-    r = _rstd(xv, eps, D)
-    _, _, h = _forward_terms(xv, wv, r, x.dtype.element_ty, P_DTYPE, C_DTYPE)
-    out = h * (zv * sigmoid(zv))
-    tl.store(y + rows[:, None] * D + cols[None, :], cast_rne(out, y.dtype.element_ty), mask=mask)
-    tl.store(rstd + rows, r.to(rstd.dtype.element_ty), mask=m_r)
+    for start in range(tl.program_id(0) * BLOCK_M, N, tl.num_programs(0) * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+        m_r = rows < N
+        mask = m_r[:, None] & m_c[None, :]
+        xv = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        zv = tl.load(z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        r = _rstd(xv, eps, D)
+        _, _, h = _forward_terms(xv, wv, r, x.dtype.element_ty, P_DTYPE, C_DTYPE)
+        out = h * (zv * sigmoid(zv))
+        tl.store(y + rows[:, None] * D + cols[None, :], cast_rne(out, y.dtype.element_ty), mask=mask)
+        tl.store(rstd + rows, r.to(rstd.dtype.element_ty), mask=m_r)
 
 
 @triton.jit(do_not_specialize=["N", "NB", "stride_dy", "stride_x", "stride_z"])
@@ -150,7 +154,7 @@ def gated_rms_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
         return y, rstd
     x2, z2 = _rows(x, D), _rows(z, D)
     BLOCK_M, BLOCK_D, num_warps = _blocks(D)
-    _norm_fwd_kernel[(triton.cdiv(M, BLOCK_M),)](
+    _norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
         x2, z2, weight.contiguous(), y, rstd, M, x2.stride(0), z2.stride(0), float(eps),
         D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, num_warps=num_warps)
     return y, rstd

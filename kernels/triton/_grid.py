@@ -1,0 +1,24 @@
+"""Launch-grid sizes shared by our kernels: no launch has more than ``MAX_PROGRAMS`` programs.
+
+triton-ascend refuses a launch whose grid (the product over its axes) exceeds 65 535 programs
+("grid should be less than 65536"); CUDA caps grid axes 1 and 2 at 65 535. So every kernel here is
+persistent along its long axis: the launcher asks for ``min(tiles, MAX_PROGRAMS // other_axes)``
+programs and program p takes tiles p, p + P, p + 2P, ... (P = programs on that axis, read in the kernel
+with ``tl.num_programs``). Where tiles fit, each program takes one tile, as a plain grid would; the
+program count is a runtime value, so it never reaches a compile key.
+"""
+from __future__ import annotations
+
+MAX_PROGRAMS = 65535
+
+
+def programs(tiles: int, other_axes: int = 1) -> int:
+    """Programs on the long axis for ``tiles`` tiles when the other axes hold ``other_axes`` programs
+    together (0 when there are no tiles).
+
+    Raises:
+        ValueError: the other axes alone exceed ``MAX_PROGRAMS``.
+    """
+    if other_axes > MAX_PROGRAMS:
+        raise ValueError(f"a launch's other grid axes hold {other_axes} programs, more than {MAX_PROGRAMS}")
+    return min(tiles, MAX_PROGRAMS // max(other_axes, 1))

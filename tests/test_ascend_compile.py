@@ -1,0 +1,87 @@
+"""The ``ascend`` backend on triton-ascend, without an NPU: every kernel lowers, none recompiles for a
+new packed layout, and no launch has more programs than an NPU takes.
+
+``tests/ascend_probe.py`` runs in a subprocess with ``.venv-ascend``'s Python (triton-ascend replaces the
+``triton`` package, so it has its own environment; ``scripts/setup.sh`` makes it). The probe uses
+triton-ascend's own JIT and its ttir -> ``ttadapter`` lowering with a stand-in NPU driver
+(``fake_npu_driver.py``); only the CANN compiler stage (``npubin``) is stubbed. fla-core sees an NPU and
+dispatches to its ``triton_ascend`` kernels. What this cannot show (the npubin stage: unified-buffer
+size, ops the NPU compiler rejects) is in docs/kernels.md, with how to run ``tests/test_npu.py`` on an NPU.
+
+Each check can fail: ``--negative-control`` runs a kernel whose T is a ``tl.constexpr`` (one compile
+per T) at a length whose grid is 65 536 programs, and the second test asserts that the probe sees both.
+"""
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+HERE = pathlib.Path(__file__).parent
+ROOT = HERE.parent
+ASCEND_PYTHON = ROOT / ".venv-ascend" / "bin" / "python"
+FLA_SITE = ROOT / ".venv" / "fla-site"          # fla-core 0.6.0, kept out of the venvs' site-packages
+GRID_LIMIT = 65535
+# fla-core 0.6.0's inner dispatch on an NPU (fla.backends): operation.function -> its triton_ascend kernels
+FLA_ASCEND_ROUTINGS = {
+    "common.chunk_scaled_dot_kkt_fwd", "fla.ops.utils.solve_tril.solve_tril",
+    "gated_delta_rule.chunk_gated_delta_rule_fwd_intra", "gated_delta_rule.recompute_w_u_fwd",
+    "common.chunk_gated_delta_rule_fwd_h", "common.chunk_fwd_o", "fla.ops.utils.cumsum.chunk_local_cumsum",
+    "common.chunk_bwd_dv_local", "common.chunk_gated_delta_rule_bwd_dhu", "common.chunk_bwd_dqkwg",
+    "gated_delta_rule.prepare_wy_repr_bwd",
+}
+OUR_KERNELS = {"_conv_fwd_kernel", "_conv_state_fwd_kernel", "_conv_dz_kernel", "_conv_dx_kernel",
+               "_conv_state_bwd_kernel", "_gate_fwd_kernel", "_gate_bwd_kernel", "_l2norm_fwd_kernel",
+               "_l2norm_bwd_kernel", "_norm_fwd_kernel", "_norm_bwd_kernel"}
+DECODE_KERNEL = "fused_recurrent_gated_delta_rule_fwd_kernel"
+# T up to 2^20 tokens, N up to 2^16 sequences (the grid check allocates nothing: meta tensors); 16 353
+# tokens in 512 sequences stopped the conv and conv-state kernels before they were persistent
+GRID_SIZES = [(1 << 20, 1), (1 << 20, 1 << 16), (1 << 16, 1 << 16), (16353, 512)]
+
+
+def probe(*args, timeout=300):
+    for need, what in ((ASCEND_PYTHON, "the triton-ascend environment"), (FLA_SITE / "fla", "fla-core")):
+        if not need.exists():
+            pytest.fail(f"{what} is missing ({need}): run scripts/setup.sh")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_ALL_BLOCKS_PARALLEL")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FLA_SITE), env.get("PYTHONPATH")]))
+    p = subprocess.run([str(ASCEND_PYTHON), str(HERE / "ascend_probe.py"), *args], capture_output=True,
+                       text=True, timeout=timeout, env=env, cwd=ROOT)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    print(f"triton-ascend {r['triton_ascend']}")
+    return r
+
+
+def grid_args(sizes):
+    return [a for T, N in sizes for a in ("--grid-check", str(T), str(N))]
+
+
+def test_ascend_backend_lowers_compiles_once_and_fits_the_npu_grid():
+    r = probe(*grid_args(GRID_SIZES))
+    assert r["fla_is_npu"], "fla-core did not take the stand-in driver for an NPU"
+    # every kernel lowered to ttadapter, the CANN-only npubin stage stubbed
+    assert r["first"] > 0 and set(r["kernels"]) == set(r["lowered"]), r["lowered"]
+    assert set(r["lowered"].values()) <= {"aiv", "mix"}
+    assert OUR_KERNELS | {DECODE_KERNEL} <= set(r["kernels"])
+    assert set(r["routings"]) == {f"{x} -> triton_ascend" for x in FLA_ASCEND_ROUTINGS}, r["routings"]
+    # only the launch option triton-ascend 3.2.0 lacks is dropped (fla passes it for >= 3.6)
+    assert set(r["dropped_options"]) <= {"enable_ubuf_saving"}
+    # no packed length or sequence count reaches a compile key
+    assert len(r["layouts"]) >= 8 and any(x["empty_segment"] for x in r["layouts"])
+    assert len({x["T"] for x in r["layouts"]}) >= 8 and len({x["N"] for x in r["layouts"]}) >= 6
+    assert r["after_first"] == 0, [x for x in r["layouts"] if x["compiles"]]
+    # launch limit
+    for g in r["grids"]:
+        assert g["error"] is None, g
+        assert set(g["programs"]) == set(r["kernels"]), g     # every kernel, fla's chunk kernels too
+        over = {k: n for k, n in g["programs"].items() if n > GRID_LIMIT}
+        assert not over, f"T={g['T']} N={g['N']}: launches over {GRID_LIMIT} programs: {over}"
+
+
+def test_the_probe_sees_a_length_in_a_compile_key_and_a_grid_over_the_limit():
+    r = probe("--negative-control", "--layouts", "3", *grid_args([(65536 * 128, 1)]))
+    assert r["first"] == 1 and r["after_first"] == 2
+    assert max(r["grids"][0]["programs"].values()) == 65536 > GRID_LIMIT
