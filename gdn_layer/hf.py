@@ -18,13 +18,12 @@ each parent layer that passes them on (as ``gdn_position_ids``).
 """
 from __future__ import annotations
 
-import inspect
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gdn_layer.hf_packing import (MASK_GIVEN_KEY, POSITION_KEY, packed_cu_seqlens, pass_position_ids, takes,
+                                 watch_model_inputs)
 from gdn_layer.layer import GatedDeltaNet
 from gdn_layer.state import GDNState
 
@@ -72,65 +71,6 @@ def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group
     return _build(GatedDeltaNet, hf_module, sp_group, backend, cp_group)
 
 
-_POSITION_KEY = "gdn_position_ids"  # how the parent layer's position_ids reach the block (_pass_position_ids)
-
-
-class _LastBoundaries:
-    """The packed ``cu_seqlens`` found for the last tensors asked about: every layer of one forward gets
-    the same ``position_ids`` / ``seq_idx`` / mask objects, so reading them on the host (a sync on
-    accelerators) happens once per forward, not once per layer, and every layer gets one tensor."""
-
-    def __init__(self):
-        self.key, self.refs, self.value = None, (), None
-
-    def get(self, tensors, compute):
-        key = tuple(None if t is None else (id(t), t._version) for t in tensors)
-        if key == self.key and all(r() is t for r, t in zip(self.refs, tensors)):
-            return self.value
-        value = compute()
-        self.key, self.value = key, value
-        self.refs = tuple((lambda: None) if t is None else weakref.ref(t) for t in tensors)
-        return value
-
-
-_LAST = _LastBoundaries()
-
-
-def _row_starts(seq_idx, position_ids, mask, batch: int, length: int) -> torch.Tensor | None:
-    """Bool ``[B, T]`` on the host, True where a sequence starts (always at t = 0), or None if every row
-    is one sequence. ``seq_idx``: a new sequence where the index changes. ``position_ids``: where a
-    position is not the previous one + 1, counted only between two real tokens (``mask`` 1), so the
-    positions transformers gives padding never split a row."""
-    ids, name = (seq_idx, "seq_idx") if seq_idx is not None else (position_ids, "position_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
-        raise ValueError(f"{name} must be an integer tensor [B, T], got "
-                         + (f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor)
-                            else type(ids).__name__))
-    if ids.shape[0] == 1 and batch > 1:  # transformers sometimes passes [1, T] for a whole batch
-        ids = ids.expand(batch, -1)
-    if tuple(ids.shape) != (batch, length):
-        raise ValueError(f"{name} must be [B, T] = {(batch, length)} like the hidden states, "
-                         f"got {tuple(ids.shape)}")
-    ids = ids.detach().cpu().long()
-    if seq_idx is not None:
-        inside = ids[:, 1:] != ids[:, :-1]
-    else:
-        inside = ids[:, 1:] != ids[:, :-1] + 1
-        if mask is not None:
-            real = mask[:, -length:].detach().cpu().bool()
-            inside &= real[:, 1:] & real[:, :-1]
-    if not bool(inside.any()):
-        return None
-    return torch.cat([torch.ones(batch, 1, dtype=torch.bool), inside], 1)
-
-
-def _starts_to_cu(starts: torch.Tensor | None) -> torch.Tensor | None:
-    """Bool ``[B, T]`` sequence starts -> the ``cu_seqlens`` of the ``B * T`` tokens as one pack."""
-    if starts is None:
-        return None
-    return torch.cat([torch.nonzero(starts.reshape(-1))[:, 0], torch.tensor([starts.numel()])])
-
-
 class HFGatedDeltaNet(GatedDeltaNet):
     """A ``GatedDeltaNet`` that speaks transformers' block interface (used by ``swap_gated_deltanet``).
 
@@ -155,13 +95,16 @@ class HFGatedDeltaNet(GatedDeltaNet):
         cache = kwargs.pop("cache_params", cache)
         cu_seqlens = kwargs.pop("cu_seq_lens_q", cu_seqlens)
         seq_idx = kwargs.pop("seq_idx", None)
-        position_ids = kwargs.pop(_POSITION_KEY, kwargs.pop("position_ids", None))
+        position_ids = kwargs.pop(POSITION_KEY, kwargs.pop("position_ids", None))
+        mask_given = kwargs.pop(MASK_GIVEN_KEY, False) or attention_mask is not None
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if mask is not None:
             hidden_states = (hidden_states * mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)
         B, T = hidden_states.shape[:2]
+        if mask_given or cache is not None:
+            position_ids = None    # transformers reads no packing from positions then, nor does the block
         if cu_seqlens is None and T > 1 and (seq_idx is not None or position_ids is not None):
-            cu_seqlens = self._packed_cu_seqlens(seq_idx, position_ids, mask, B, T, cache)
+            cu_seqlens = self._packed_cu_seqlens(seq_idx, position_ids, B, T, cache)
             if cu_seqlens is not None:  # several sequences in a row: all rows as one packed batch
                 y = super().forward(hidden_states.reshape(1, B * T, -1), cu_seqlens=cu_seqlens)
                 return y.reshape(B, T, -1)
@@ -179,40 +122,23 @@ class HFGatedDeltaNet(GatedDeltaNet):
         cache.update_recurrent_state(new.recurrent_state, self.layer_idx)
         return y
 
-    def _packed_cu_seqlens(self, seq_idx, position_ids, mask, B, T, cache):
-        """``cu_seqlens`` (CPU int64) of all rows as one pack, or None when every row is one sequence.
-        One tensor for every layer of a forward (``_LAST``), so what the kernels derive from it (their
-        per-``cu_seqlens`` caches) is built once per forward."""
+    def _packed_cu_seqlens(self, seq_idx, position_ids, B, T, cache):
+        """``cu_seqlens`` (CPU int64) of all rows as one pack, or None when every row is one sequence
+        (``hf_packing.packed_cu_seqlens``: one tensor for every layer of a forward)."""
         name = "seq_idx" if seq_idx is not None else "position_ids"
-        if self.sp_size > 1:
+        if self.sp_size * self.cp_size > 1:
             # Raised on every rank alike (it depends on no value): a rank's slice of position_ids cannot
             # show a boundary at a rank edge, so reading it could silently join two sequences.
             raise ValueError(
-                f"under sequence parallelism the adapter does not read sequence boundaries from {name} (a "
-                "rank holds only its slice, where a boundary at a rank edge is invisible): pass the GLOBAL "
+                f"under sequence or context parallelism the adapter does not read sequence boundaries from {name} "
+                "(a rank holds only its slice, where a boundary at a rank edge is invisible): pass the GLOBAL "
                 "boundaries as cu_seq_lens_q, the same on every rank (torch.tensor([0, T]) for one sequence)")
-        tensors = (seq_idx, None, None) if seq_idx is not None else (None, position_ids, mask)
-        cu = _LAST.get(tensors, lambda: _starts_to_cu(_row_starts(*tensors, B, T)))
+        ids = seq_idx if seq_idx is not None else position_ids
+        cu = packed_cu_seqlens(ids, seq_idx is not None, B, T)
         if cu is not None and cache is not None:
             raise ValueError(f"{name} puts several sequences in one row (a packed batch), but a cache was given, "
                              "which holds one state per row: pass use_cache=False for packed batches")
         return cu
-
-
-def _pass_position_ids(module, args, kwargs):
-    """Forward pre-hook of a layer whose GatedDeltaNet block was swapped: transformers' decoder layers
-    keep ``position_ids`` for their attention and do not forward them to the linear-attention block,
-    so hand them on (under another name: ``position_ids`` is the layer's own argument)."""
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        return None
-    return args, {**kwargs, _POSITION_KEY: position_ids}
-
-
-def _takes_position_ids(module: nn.Module) -> bool:
-    """Whether ``module.forward`` has a ``position_ids`` argument and passes ``**kwargs`` on."""
-    params = inspect.signature(module.forward).parameters.values()
-    return any(p.kind is p.VAR_KEYWORD for p in params) and any(p.name == "position_ids" for p in params)
 
 
 def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> int:
@@ -233,7 +159,10 @@ def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", 
         new.layer_idx = m.layer_idx
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         setattr(parent, name.rpartition(".")[2], new)
-        if _takes_position_ids(parent) and not getattr(parent, "_gdn_passes_position_ids", False):
-            parent.register_forward_pre_hook(_pass_position_ids, with_kwargs=True)
+        if takes(parent, "position_ids") and not getattr(parent, "_gdn_passes_position_ids", False):
+            parent.register_forward_pre_hook(pass_position_ids, with_kwargs=True)
             parent._gdn_passes_position_ids = True
+    parents = {name.rpartition(".")[0] for name, _ in targets}
+    sizes = [b.sp_size * b.cp_size for b in model.modules() if isinstance(b, HFGatedDeltaNet)]
+    watch_model_inputs(model, sorted(parents), max(sizes, default=1))
     return len(targets)
