@@ -18,46 +18,18 @@ each parent layer that passes them on (as ``gdn_position_ids``).
 """
 from __future__ import annotations
 
+import types
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gdn_layer.hf_blocks import build, family, is_gated_deltanet_block
 from gdn_layer.hf_packing import (MASK_GIVEN_KEY, POSITION_KEY, packed_cu_seqlens, pass_position_ids, takes,
                                  watch_model_inputs)
 from gdn_layer.layer import GatedDeltaNet
 from gdn_layer.state import GDNState
-
-
-def _hf_sizes(hf_module: nn.Module) -> dict:
-    """Constructor arguments of a transformers GatedDeltaNet block, read from its attributes."""
-    if hasattr(hf_module, "in_proj_qkvz"):
-        layout = "fused"
-    elif hasattr(hf_module, "in_proj_qkv"):
-        layout = "split"
-    else:
-        raise TypeError(f"hf_module must be a transformers GatedDeltaNet block (with in_proj_qkvz or "
-                        f"in_proj_qkv), got {type(hf_module).__name__}")
-    return dict(hidden_size=hf_module.hidden_size, num_k_heads=hf_module.num_k_heads,
-                num_v_heads=hf_module.num_v_heads, head_k_dim=hf_module.head_k_dim,
-                head_v_dim=hf_module.head_v_dim, conv_kernel_size=hf_module.conv_kernel_size,
-                norm_eps=hf_module.layer_norm_epsilon, projection_layout=layout)
-
-
-def _build(cls, hf_module: nn.Module, sp_group, backend, cp_group=None):
-    sizes = _hf_sizes(hf_module)
-    activation = getattr(hf_module, "activation", "silu")
-    if activation not in ("silu", "swish"):
-        raise ValueError(f"only the SiLU conv activation is supported, hf_module uses {activation!r}")
-    p = hf_module.out_proj.weight
-    layer = cls(**sizes, sp_group=sp_group, cp_group=cp_group, backend=backend, device=p.device, dtype=p.dtype)
-    layer.load_state_dict(hf_module.state_dict(), strict=True)
-    # the copy behaves as the block did: frozen parameters stay frozen, an eval() block stays in eval
-    old_params, old_modules = dict(hf_module.named_parameters()), dict(hf_module.named_modules())
-    for name, param in layer.named_parameters():
-        param.requires_grad_(old_params[name].requires_grad)
-    for name, module in layer.named_modules():
-        module.training = old_modules[name].training if name in old_modules else hf_module.training
-    return layer
 
 
 def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> GatedDeltaNet:
@@ -68,7 +40,7 @@ def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group
     Raises:
         TypeError: ``hf_module`` is not a transformers GatedDeltaNet block.
     """
-    return _build(GatedDeltaNet, hf_module, sp_group, backend, cp_group)
+    return build(GatedDeltaNet, hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
 
 
 class HFGatedDeltaNet(GatedDeltaNet):
@@ -144,19 +116,31 @@ class HFGatedDeltaNet(GatedDeltaNet):
 def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> int:
     """Replace every transformers GatedDeltaNet block in ``model`` by an ``HFGatedDeltaNet`` in place.
 
-    Weights are copied, parameter names are unchanged (checkpoints still load), and the model's own
-    cache object and forward signature keep working. Each block keeps its flags: every parameter's
-    ``requires_grad`` and every submodule's ``training``. The new blocks hold new ``Parameter``
+    Weights are copied exactly (each parameter keeps its dtype), parameter names are unchanged
+    (checkpoints still load), and the model's own cache object and forward signature keep working.
+    Each block keeps its flags: every parameter's ``requires_grad`` and every submodule's ``training``.
+    Every copy is first run against its block on a small random input (``hf_blocks.verify``); nothing is
+    replaced unless all match. The model's ``_init_weights`` reaches the new blocks with their family's
+    distributions (``init_weights()`` after a meta-device build). The new blocks hold new ``Parameter``
     objects: build the optimizer (and FSDP / DDP wrappers) after swapping. Each parent layer that takes
-    ``position_ids`` gets a forward pre-hook that passes them to the block, so packs described only by
-    restarting ``position_ids`` stay apart. ``sp_group`` / ``cp_group``: as in ``GatedDeltaNet``.
-    Returns the number of blocks replaced.
+    ``position_ids`` gets a forward pre-hook that passes them to the block, and the module running the
+    layers one that records whether the model got an ``attention_mask`` (hf_packing: packing is read
+    from positions as transformers reads it). ``sp_group`` / ``cp_group``: as in ``GatedDeltaNet``.
+    Returns the number of blocks replaced; warns when the config lists ``linear_attention`` layers but
+    no block was found.
+
+    Raises:
+        TypeError / ValueError (before anything is replaced): a block of a family or with a feature the
+            adapter does not convert, naming both (e.g. OLMo-Hybrid's separate projections).
     """
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m).__name__.endswith("GatedDeltaNet") and type(m).__module__.startswith("transformers.")]
+    targets = [(name, m) for name, m in model.named_modules() if is_gated_deltanet_block(m)]
+    built = []
     for name, m in targets:
-        new = _build(HFGatedDeltaNet, m, sp_group, backend, cp_group)
+        new = build(HFGatedDeltaNet, m, sp_group=sp_group, backend=backend, cp_group=cp_group)
         new.layer_idx = m.layer_idx
+        new._hf_block_class = type(m)     # for the model's _init_weights (_init_weights_reaching_blocks)
+        built.append((name, new))
+    for name, new in built:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         setattr(parent, name.rpartition(".")[2], new)
         if takes(parent, "position_ids") and not getattr(parent, "_gdn_passes_position_ids", False):
@@ -165,4 +149,29 @@ def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", 
     parents = {name.rpartition(".")[0] for name, _ in targets}
     sizes = [b.sp_size * b.cp_size for b in model.modules() if isinstance(b, HFGatedDeltaNet)]
     watch_model_inputs(model, sorted(parents), max(sizes, default=1))
+    for m in model.modules():
+        if hasattr(m, "_initialize_weights") and "_init_weights" not in m.__dict__:
+            m._init_weights = types.MethodType(_init_weights_reaching_blocks, m)
+    config = getattr(model, "config", None)
+    layer_types = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                          "layer_types", None) or []
+    if not targets and "linear_attention" in layer_types and not any(
+            isinstance(m, HFGatedDeltaNet) for m in model.modules()):
+        warnings.warn(f"swap_gated_deltanet: the config of {type(model).__name__} lists linear_attention layers, "
+                      "but no transformers GatedDeltaNet block was found to swap (a model family whose "
+                      "linear-attention block has another class name?): nothing was replaced", stacklevel=2)
     return len(targets)
+
+
+def _init_weights_reaching_blocks(self, module):
+    """The model's ``_init_weights``, which for a swapped block runs on a stand-in of the original
+    block's class sharing the block's attributes and parameters: transformers picks the block's
+    initialisation by ``isinstance`` (``dt_bias`` = 1, ``A_log`` = log U(a, b) per family), so the new
+    block gets exactly the original's distributions. Installed on each ``PreTrainedModel`` of a swapped
+    model (instance attribute); linear, conv and norm weights are reached by class as before."""
+    block_class = getattr(module, "_hf_block_class", None)
+    if block_class is None:
+        return type(self)._init_weights(self, module)
+    stand_in = block_class.__new__(block_class)
+    object.__setattr__(stand_in, "__dict__", module.__dict__)
+    return type(self)._init_weights(self, stand_in)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gdn_layer import kernels
+from gdn_layer import hf_blocks, kernels
 from gdn_layer.kernels import (causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, gdn_gate,
                                recurrent_gated_delta_rule)
 from gdn_layer.context_parallel import cp_token_mix
@@ -198,8 +198,7 @@ class GatedDeltaNet(nn.Module):
     @classmethod
     def from_hf(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> "GatedDeltaNet":
         """Build from a transformers Qwen3-Next / Qwen3.5 GatedDeltaNet block, copying its weights."""
-        from gdn_layer.hf import from_hf  # transformers is optional
-        return from_hf(hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
+        return hf_blocks.build(cls, hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
 
     # ----------------------------------------------------------------------------------------------
     # construction helpers

@@ -8,6 +8,7 @@ transformers = pytest.importorskip("transformers")  # the `hf` extra; .ci/run in
 import gdn_layer.hf as hf  # noqa: E402
 from gdn_layer import GatedDeltaNet  # noqa: E402
 from gdn_layer.hf import HFGatedDeltaNet, swap_gated_deltanet  # noqa: E402
+from gdn_layer.hf_blocks import hf_sizes  # noqa: E402
 from test_hf import COMMON, qwen3_5, qwen3_next, rel_err  # noqa: E402
 
 LENS = (5, 7)   # two samples packed into one row
@@ -194,8 +195,8 @@ def test_swap_keeps_requires_grad_per_parameter_and_train_eval_mode(make):
 def test_a_transformers_checkpoint_loads_into_the_other_layout(make, other):
     torch.manual_seed(5)
     block = slow_decay(make()).model.layers[0].linear_attn
-    sizes = hf._hf_sizes(block)
-    assert sizes.pop("projection_layout") != other
+    sizes = hf_sizes(block)
+    assert sizes.pop("projection_layout") != other and sizes.pop("output_gate") == "silu"
     layer = GatedDeltaNet(**sizes, projection_layout=other)
     layer.load_state_dict(block.state_dict())
     x = torch.randn(1, 40, COMMON["hidden_size"])
