@@ -18,6 +18,7 @@ from gdn_layer.parallel import (digest_of, gather_heads, head_to_seq, partition_
                                 resolve_sp_group, seq_to_head)
 from gdn_layer.parallel.context import agree_across_groups
 from gdn_layer.state import GDNState, check_state
+from gdn_layer.submodules import check_conv1d, conv_weight
 
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -362,8 +363,10 @@ class GatedDeltaNet(nn.Module):
         if x.dtype != p.dtype and not autocast:
             raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype}); "
                             "cast one of them, or run under torch.autocast with that dtype")
-        if x.device != p.device:
-            raise ValueError(f"hidden_states is on {x.device} but the layer's parameters are on {p.device}")
+        # the layer's own parameter: submodules' may sit on meta until their accelerate hooks restore them
+        if x.device != self.A_log.device:
+            raise ValueError(f"hidden_states is on {x.device} but the layer's parameters are on {self.A_log.device}")
+        check_conv1d(self.conv1d)
         if not isinstance(output_state, bool):
             raise TypeError(f"output_state must be a bool, got {type(output_state).__name__}")
         B, T_local = x.shape[:2]
@@ -452,7 +455,7 @@ class GatedDeltaNet(nn.Module):
         C = self.local_conv_dim
         Dk, Dv = self.head_k_dim, self.head_v_dim
         hk, hv = self.heads.k_heads_per_rank, self.heads.v_heads_per_rank
-        weight = self.conv1d.weight[:, 0, :]
+        weight = conv_weight(self.conv1d)[:, 0, :]   # (honours an accelerate hook on conv1d)
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
         widths = [hk * Dk, hk * Dk, hv * Dv]
