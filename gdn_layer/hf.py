@@ -1,20 +1,18 @@
 """transformers adapter: build a GatedDeltaNet from a transformers block, or swap every block of a model.
 
-Tested against transformers 5.24 (the ``hf`` extra pins ``>=5.24,<5.25``): Qwen3-Next
-(``Qwen3NextGatedDeltaNet``, fused projections) and Qwen3.5 (``Qwen3_5GatedDeltaNet``, split projections).
-The swapped block keeps the transformers forward signature ``(hidden_states, cache=None,
-attention_mask=None, **kwargs)`` and reads/writes the model's own cache object through its public
-linear-attention methods (``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``,
-``update_recurrent_state``). transformers keeps W conv inputs per sequence where ``GDNState`` keeps W-1;
-the oldest of transformers' W is never read by its conv, so the adapter stores it as zero.
-Speculative decoding's past recording (``cache.activate_past_recording``) is not supported.
+Tested against transformers 5.24 (the ``hf`` extra pins ``>=5.24,<5.25``); the families converted and
+refused are listed in ``gdn_layer/hf_blocks.py`` and docs/layer.md. The swapped block keeps the
+transformers forward signature ``(hidden_states, cache=None, attention_mask=None, **kwargs)`` and
+reads/writes the model's own cache object through its public linear-attention methods
+(``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``).
+transformers keeps W conv inputs per sequence where ``GDNState`` keeps W-1; the oldest of transformers'
+W is never read by its conv, so the adapter stores it as zero. Speculative decoding's past recording
+(``cache.activate_past_recording``) is not supported.
 
-Packed batches reach the block in one of three ways, and each boundary is honoured exactly (no state,
-conv input or gradient crosses it): ``cu_seq_lens_q`` (transformers' flash-attention kwargs, exact as
-given), ``seq_idx [B, T]`` (the sequence number of each token), or ``position_ids`` that restart inside a
-row (what ``DataCollatorWithFlattening`` gives by default). transformers' decoder layers do not hand
-``position_ids`` to their linear-attention block, so ``swap_gated_deltanet`` adds a forward pre-hook to
-each parent layer that passes them on (as ``gdn_position_ids``).
+Packed batches reach the block as ``cu_seq_lens_q`` (transformers' flash-attention kwargs, exact as
+given), ``seq_idx [B, T]`` or ``position_ids`` that restart inside a row; when each is read follows
+transformers (``gdn_layer/hf_packing.py``), and each boundary is honoured exactly (no state, conv input
+or gradient crosses it).
 """
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_layer.hf_blocks import build, family, is_gated_deltanet_block
+from gdn_layer.hf_blocks import build, is_gated_deltanet_block
 from gdn_layer.hf_packing import (MASK_GIVEN_KEY, POSITION_KEY, packed_cu_seqlens, pass_position_ids, takes,
                                  watch_model_inputs)
 from gdn_layer.layer import GatedDeltaNet
@@ -33,12 +31,15 @@ from gdn_layer.state import GDNState
 
 
 def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> GatedDeltaNet:
-    """A ``GatedDeltaNet`` with the sizes and a copy of the weights of a transformers block, and its
-    flags: each parameter's ``requires_grad`` and each submodule's ``training``. ``sp_group`` and
-    ``cp_group`` as in ``GatedDeltaNet`` (Ulysses; state passing, docs/context_parallel.md).
+    """A ``GatedDeltaNet`` with the sizes and an exact copy of the weights (each parameter in its own
+    dtype) of a transformers block, and its flags: each parameter's ``requires_grad`` and each
+    submodule's ``training``; checked against the block on a small random input (``hf_blocks.build``).
+    ``sp_group`` and ``cp_group`` as in ``GatedDeltaNet`` (Ulysses; state passing,
+    docs/context_parallel.md).
 
     Raises:
-        TypeError: ``hf_module`` is not a transformers GatedDeltaNet block.
+        TypeError: ``hf_module`` is not a GatedDeltaNet block of a family the adapter converts.
+        ValueError: a feature of the block that the copy does not compute (named), or the check failed.
     """
     return build(GatedDeltaNet, hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
 
@@ -49,16 +50,19 @@ class HFGatedDeltaNet(GatedDeltaNet):
     ``forward(hidden_states [B, T, hidden], cache=None, attention_mask=None, **kwargs) -> [B, T, hidden]``.
     ``attention_mask [B, T]`` (1 = token, 0 = padding) zeroes padded inputs as transformers does.
     Sequence boundaries, first match wins: ``cu_seq_lens_q`` (or ``cu_seqlens``), exact as given;
-    ``seq_idx [B, T]``; ``position_ids [B, T]`` (or ``gdn_position_ids``, from the parent layer's hook)
-    that restart inside a row. Rows holding several sequences run as one packed batch of all rows;
-    ordinary positions ``[p, p+1, ...]`` leave each row one sequence. ``seq_idx`` / ``position_ids``
-    are read on the host (a sync on accelerators) once per forward for all layers, only when they are
-    passed and ``T > 1``.
+    ``seq_idx [B, T]`` when there is no cache; ``position_ids [B, T]`` (or ``gdn_position_ids``, from
+    the parent layer's hook) that restart inside a row, only when the model got no attention mask
+    (``gdn_attention_mask_given``, from the swap's hook on the model) and there is no cache, as
+    transformers reads packing for its attention (``hf_packing``). Rows holding several sequences run
+    as one packed batch of all rows; ordinary positions ``[p, p+1, ...]`` leave each row one sequence.
+    ``seq_idx`` / ``position_ids`` are read on the host (a sync on accelerators) once per tensor
+    (``cu_cache.derived``), only when they are read and ``T > 1``.
 
     Raises:
         ValueError: ``seq_idx`` / ``position_ids`` not ``[B, T]`` integers; several sequences in a row
-            together with a cache (it holds one state per row); ``seq_idx`` / ``position_ids`` under
-            sequence parallelism, where only the global ``cu_seq_lens_q`` describes boundaries.
+            together with a cache (it holds one state per row); ``seq_idx`` / ``position_ids`` that
+            would be read, under sequence or context parallelism, where only the global
+            ``cu_seq_lens_q`` describes boundaries.
     """
 
     layer_idx: int = 0

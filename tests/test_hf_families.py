@@ -44,8 +44,8 @@ def swapped_pair(make):
     return original, swapped
 
 
-@pytest.mark.parametrize("make", [lambda: qwen4_exp("sigmoid"), qwen3_5_moe, lara_mini],
-                         ids=["qwen4_exp_sigmoid_gate", "qwen3_5_moe", "lara_mini"])
+@pytest.mark.parametrize("make", [lambda: qwen4_exp("sigmoid"), qwen4_exp, qwen3_5_moe, lara_mini],
+                         ids=["qwen4_exp_sigmoid_gate", "qwen4_exp", "qwen3_5_moe", "lara_mini"])
 def test_family_converts_exactly_logits_and_greedy_tokens(make):
     original, swapped = swapped_pair(make)
     assert sum(isinstance(m, HFGatedDeltaNet) for m in swapped.modules()) == 2
