@@ -82,6 +82,11 @@ def build(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_gr
     With ``check``, the copy is run against the block first (``verify``)."""
     sizes = hf_sizes(hf_module)
     gate = sizes.pop("output_gate")
+    if any(getattr(m, "_hf_hook", None) is not None for m in hf_module.modules()) and any(
+            t.device.type == "meta" for t in hf_module.parameters()):
+        raise ValueError(f"the {family(hf_module)} block's weights are offloaded by accelerate hooks (on meta until "
+                         "its forward): a copy would hold no weights. Convert before offloading: load without an "
+                         "offloading device_map, swap, then accelerate.cpu_offload / dispatch_model")
     p = hf_module.out_proj.weight
     layer = cls(**sizes, sp_group=sp_group, cp_group=cp_group, backend=backend, device=p.device, dtype=p.dtype)
     layer.norm.gate = gate

@@ -38,6 +38,15 @@ def test_accelerate_cpu_offload_of_a_swapped_model_gives_its_logits():
     assert block.conv1d.weight.device.type == "meta"         # given back to the hook after use
 
 
+def test_swapping_an_offloaded_model_raises_instead_of_copying_meta_weights():
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = qwen3_5().eval()
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="offloaded by accelerate hooks"):
+        swap_gated_deltanet(model)
+
+
 class LoraConv1d(nn.Module):
     """What PEFT puts in place of a targeted Conv1d: the base layer inside, ``weight`` still reachable,
     the low-rank update applied in forward only."""
