@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdn_layer.hf_blocks import build, is_gated_deltanet_block
+from gdn_layer.hf_blocks import build, family, is_gated_deltanet_block
 from gdn_layer.hf_packing import (MASK_GIVEN_KEY, POSITION_KEY, packed_cu_seqlens, pass_position_ids, takes,
                                  watch_model_inputs)
 from gdn_layer.layer import GatedDeltaNet
+from gdn_layer.parallel import seq_to_head
 from gdn_layer.state import GDNState
 
 
@@ -41,7 +42,8 @@ def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group
         TypeError: ``hf_module`` is not a GatedDeltaNet block of a family the adapter converts.
         ValueError: a feature of the block that the copy does not compute (named), or the check failed.
     """
-    return build(GatedDeltaNet, hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
+    return build(_class_for(hf_module, GatedDeltaNet), hf_module, sp_group=sp_group, backend=backend,
+                 cp_group=cp_group)
 
 
 class HFGatedDeltaNet(GatedDeltaNet):
@@ -117,6 +119,69 @@ class HFGatedDeltaNet(GatedDeltaNet):
         return cu
 
 
+def _alias(name: str, new: str) -> property:
+    """Read ``self.<name>`` as the submodule registered as ``new`` (or still as ``name`` while
+    ``GatedDeltaNet.__init__`` runs, before the subclass renames it)."""
+    def get(self):
+        modules = self.__dict__.get("_modules", {})
+        for key in (new, name):
+            if key in modules:
+                return modules[key]
+        raise AttributeError(name)
+    return property(get)
+
+
+class HFOlmoHybridGatedDeltaNet(HFGatedDeltaNet):
+    """OLMo-Hybrid's block (transformers' ``OlmoHybridGatedDeltaNet``) with its parameter names.
+
+    The math of ``GatedDeltaNet`` with the split layout, its projections held separately:
+    ``q_proj, k_proj [Hk*Dk, hidden]``, ``v_proj, g_proj [Hv*Dv, hidden]`` (``g`` is the output gate,
+    ``z`` elsewhere), ``a_proj, b_proj [Hv, hidden]``, ``o_norm`` (the gated norm, transformers' fixed
+    eps 1e-5), ``o_proj`` (out projection), plus ``conv1d`` over ``[q | k | v]``, ``A_log``,
+    ``dt_bias``. With ``allow_neg_eigval``, ``beta = 2 * sigmoid(b)`` (eigenvalues of the transition in
+    [-1, 1]). ``norm`` and ``out_proj`` read ``o_norm`` and ``o_proj``.
+    """
+
+    olmo_layout = True
+    norm = _alias("norm", "o_norm")
+    out_proj = _alias("out_proj", "o_proj")
+
+    def __init__(self, *args, allow_neg_eigval: bool = False, **kwargs):
+        kwargs["projection_layout"] = "split"
+        super().__init__(*args, **kwargs)
+        self.allow_neg_eigval = bool(allow_neg_eigval)
+        kw = {"device": self.A_log.device, "dtype": self._modules["in_proj_qkv"].weight.dtype, "bias": False}
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            delattr(self, name)
+        h, Hv = self.hidden_size, self.num_v_heads
+        for name, rows in (("q_proj", self.key_dim), ("k_proj", self.key_dim), ("v_proj", self.value_dim),
+                           ("a_proj", Hv), ("b_proj", Hv), ("g_proj", self.value_dim)):
+            setattr(self, name, nn.Linear(h, rows, **kw))
+        self._modules["o_norm"] = self._modules.pop("norm")
+        self._modules["o_proj"] = self._modules.pop("out_proj")
+        self.reset_parameters()
+
+    def _project(self, x):
+        """``[q | k | v | a | b]`` of every token (this rank's heads after the all-to-all under SP) and
+        the output gate ``[B, T_local, Hv, Dv]`` from ``g_proj``; each projection called as a module."""
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x), self.a_proj(x), self.b_proj(x)], -1)
+        z = self.g_proj(x).reshape(*x.shape[:2], self.num_v_heads, self.head_v_dim)
+        if self.sp_size > 1:
+            mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group)
+        return mixed, z
+
+    def _gate(self, a, b):
+        g, beta = super()._gate(a, b)
+        return (g, beta * 2.0) if self.allow_neg_eigval else (g, beta)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", allow_neg_eigval={self.allow_neg_eigval}"
+
+
+def _class_for(hf_module: nn.Module, default):
+    return HFOlmoHybridGatedDeltaNet if family(hf_module) == "olmo_hybrid" else default
+
+
 def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> int:
     """Replace every transformers GatedDeltaNet block in ``model`` by an ``HFGatedDeltaNet`` in place.
 
@@ -140,7 +205,7 @@ def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", 
     targets = [(name, m) for name, m in model.named_modules() if is_gated_deltanet_block(m)]
     built = []
     for name, m in targets:
-        new = build(HFGatedDeltaNet, m, sp_group=sp_group, backend=backend, cp_group=cp_group)
+        new = build(_class_for(m, HFGatedDeltaNet), m, sp_group=sp_group, backend=backend, cp_group=cp_group)
         new.layer_idx = m.layer_idx
         new._hf_block_class = type(m)     # for the model's _init_weights (_init_weights_reaching_blocks)
         built.append((name, new))

@@ -7,21 +7,28 @@ import this module and the dependency runs one way: ``layer`` -> ``hf_blocks`` <
 
 Families of transformers 5.24 with a GatedDeltaNet block (docs/layer.md has the table):
 ``qwen3_next`` (fused projections), ``qwen3_5``, ``qwen3_5_moe``, ``lara_mini``, ``qwen4_exp`` (split
-projections; ``qwen4_exp`` also with ``output_gate_type="sigmoid"``, a sigmoid output gate). Refused,
-naming what differs: ``olmo_hybrid`` (separate q/k/v/g projections, ``o_norm`` with a fixed eps 1e-5,
-``allow_neg_eigval`` doubling beta).
+projections; ``qwen4_exp`` also with ``output_gate_type="sigmoid"``, a sigmoid output gate), and
+``olmo_hybrid`` (separate ``q_proj / k_proj / v_proj / a_proj / b_proj / g_proj`` projections, ``o_norm``
+with transformers' fixed eps 1e-5, ``o_proj``, ``allow_neg_eigval`` doubling beta), which converts only
+into a class with its parameter names (``gdn_layer.hf.HFOlmoHybridGatedDeltaNet``, ``olmo_layout``).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-SUPPORTED = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lara_mini", "qwen4_exp")
-REFUSED = {
-    "olmo_hybrid": "its block differs from the Qwen3-Next one in: separate q_proj / k_proj / v_proj / g_proj "
-                   "projections (no in_proj_qkv / in_proj_z), the gated norm o_norm with a fixed eps = 1e-5 "
-                   "(not rms_norm_eps), out projection o_proj, and linear_allow_neg_eigval scaling beta by 2",
-}
+SUPPORTED = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lara_mini", "qwen4_exp", "olmo_hybrid")
+OLMO_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
+
+
+def gated_norm(m: nn.Module) -> nn.Module:
+    """The gated RMSNorm of a block (``o_norm`` in OLMo-Hybrid's)."""
+    return m.o_norm if hasattr(m, "o_norm") else m.norm
+
+
+def output_projection(m: nn.Module) -> nn.Module:
+    """The output projection of a block (``o_proj`` in OLMo-Hybrid's)."""
+    return m.o_proj if hasattr(m, "o_proj") else m.out_proj
 
 
 def family(hf_module: nn.Module) -> str:
@@ -46,32 +53,34 @@ def hf_sizes(hf_module: nn.Module) -> dict:
             activation other than SiLU, a conv or projection bias, an output gate other than SiLU / sigmoid.
     """
     fam = family(hf_module)
-    if fam in REFUSED:
-        raise TypeError(f"hf_module is a {fam} GatedDeltaNet block ({type(hf_module).__name__}), which gdn_layer "
-                        f"does not convert: {REFUSED[fam]}")
     if hasattr(hf_module, "in_proj_qkvz"):
         layout, projections = "fused", ("in_proj_qkvz", "in_proj_ba")
     elif hasattr(hf_module, "in_proj_qkv"):
         layout, projections = "split", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    elif all(hasattr(hf_module, n) for n in OLMO_PROJECTIONS):
+        layout, projections = "olmo_hybrid", OLMO_PROJECTIONS
     else:
-        raise TypeError(f"hf_module must be a transformers GatedDeltaNet block (with in_proj_qkvz or "
-                        f"in_proj_qkv), got {type(hf_module).__name__} of family {fam}")
+        raise TypeError(f"hf_module must be a transformers GatedDeltaNet block (with in_proj_qkvz, in_proj_qkv, or "
+                        f"OLMo-Hybrid's q/k/v/a/b/g_proj), got {type(hf_module).__name__} of family {fam}")
     activation = getattr(hf_module, "activation", "silu")
     if activation not in ("silu", "swish"):
         raise ValueError(f"{fam} block: only the SiLU conv activation is supported, hf_module uses {activation!r}")
-    for name in (*projections, "out_proj", "conv1d"):
-        if getattr(getattr(hf_module, name), "bias", None) is not None:
+    norm, out = gated_norm(hf_module), output_projection(hf_module)
+    for name, m in [(n, getattr(hf_module, n)) for n in (*projections, "conv1d")] + [("output projection", out)]:
+        if getattr(m, "bias", None) is not None:
             raise ValueError(f"{fam} block: {name} has a bias, which GatedDeltaNet does not have")
-    gate = getattr(hf_module.norm, "activation", "silu")
+    gate = getattr(norm, "activation", "silu")
     gate = {"swish": "silu"}.get(gate, gate)
     if gate not in ("silu", "sigmoid"):
         raise ValueError(f"{fam} block: output gate activation {gate!r} (norm.activation); GatedDeltaNet supports "
                          "'silu' and 'sigmoid'")
-    eps = getattr(hf_module.norm, "variance_epsilon", None)
-    return dict(hidden_size=hf_module.hidden_size, num_k_heads=hf_module.num_k_heads,
+    eps = getattr(norm, "variance_epsilon", None)
+    extra = {} if layout != "olmo_hybrid" else {"allow_neg_eigval": bool(hf_module.allow_neg_eigval)}
+    return dict(**extra, hidden_size=hf_module.hidden_size, num_k_heads=hf_module.num_k_heads,
                 num_v_heads=hf_module.num_v_heads, head_k_dim=hf_module.head_k_dim,
                 head_v_dim=hf_module.head_v_dim, conv_kernel_size=hf_module.conv_kernel_size,
-                norm_eps=hf_module.layer_norm_epsilon if eps is None else eps, projection_layout=layout,
+                norm_eps=hf_module.layer_norm_epsilon if eps is None else eps,
+                projection_layout="split" if layout == "olmo_hybrid" else layout,
                 output_gate=gate)
 
 
@@ -82,12 +91,17 @@ def build(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_gr
     With ``check``, the copy is run against the block first (``verify``)."""
     sizes = hf_sizes(hf_module)
     gate = sizes.pop("output_gate")
+    if ("allow_neg_eigval" in sizes) != bool(getattr(cls, "olmo_layout", False)):
+        raise TypeError(f"a {family(hf_module)} block converts only into "
+                        + ("gdn_layer.hf.HFOlmoHybridGatedDeltaNet, which keeps its parameter names (q_proj, ..., "
+                           "o_norm, o_proj): use gdn_layer.hf.from_hf or swap_gated_deltanet"
+                           if "allow_neg_eigval" in sizes else "a class with its parameter names, not " + cls.__name__))
     if any(getattr(m, "_hf_hook", None) is not None for m in hf_module.modules()) and any(
             t.device.type == "meta" for t in hf_module.parameters()):
         raise ValueError(f"the {family(hf_module)} block's weights are offloaded by accelerate hooks (on meta until "
                          "its forward): a copy would hold no weights. Convert before offloading: load without an "
                          "offloading device_map, swap, then accelerate.cpu_offload / dispatch_model")
-    p = hf_module.out_proj.weight
+    p = output_projection(hf_module).weight
     layer = cls(**sizes, sp_group=sp_group, cp_group=cp_group, backend=backend, device=p.device, dtype=p.dtype)
     layer.norm.gate = gate
     old_params = dict(hf_module.named_parameters())
@@ -127,7 +141,7 @@ def verify(layer: nn.Module, hf_module: nn.Module, length: int = 11) -> None:
         ValueError: naming the family, the block's class and the relative error: the block computes
             something the conversion does not (a feature this adapter does not know).
     """
-    p = hf_module.out_proj.weight
+    p = output_projection(hf_module).weight
     if p.device.type == "meta" or any(t.device.type == "meta" for t in hf_module.parameters()):
         return
     x = torch.randn(1, length, layer.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -140,7 +154,7 @@ def verify(layer: nn.Module, hf_module: nn.Module, length: int = 11) -> None:
         raise ValueError(
             f"the {family(hf_module)} block {type(hf_module).__name__} computes something its GatedDeltaNet copy "
             f"does not (relative difference {err:.3g} on a random input; output gate "
-            f"{getattr(hf_module.norm, 'activation', 'silu')!r}, conv activation "
+            f"{getattr(gated_norm(hf_module), 'activation', 'silu')!r}, conv activation "
             f"{getattr(hf_module, 'activation', 'silu')!r}): this block has a feature the adapter does not "
             f"support, so it is not replaced")
 

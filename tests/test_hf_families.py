@@ -1,6 +1,6 @@
-"""Every transformers 5.24 family with a GatedDeltaNet block: converted exactly (logits and greedy tokens
-of the unswapped model), or refused naming what differs; a block computing something the conversion does
-not is caught before anything is replaced. Plus the import direction layer -> hf_blocks <- hf."""
+"""Every transformers 5.24 family with a GatedDeltaNet block converted exactly (logits and greedy tokens
+of the unswapped model); a block computing something the conversion does not is caught before anything
+is replaced. Plus the import direction layer -> hf_blocks <- hf."""
 import ast
 import copy
 import pathlib
@@ -67,12 +67,38 @@ def test_a_block_computing_something_else_is_refused_before_anything_is_replaced
     assert not any(isinstance(m, HFGatedDeltaNet) for m in model.modules())   # block 0 matched: kept too
 
 
-def test_olmo_hybrid_is_refused_naming_its_differences():
+@pytest.mark.parametrize("allow_neg_eigval", [True, False])
+def test_olmo_hybrid_converts_exactly_with_its_parameter_names(allow_neg_eigval):
+    """Separate q/k/v/a/b/g projections, o_norm with its fixed eps 1e-5, o_proj, beta doubled when
+    allow_neg_eigval (the default)."""
+    def make():
+        model = olmo_hybrid()
+        for m in model.modules():
+            if hasattr(m, "allow_neg_eigval"):
+                m.allow_neg_eigval = allow_neg_eigval
+        return model
+    original, swapped = swapped_pair(make)
+    block = swapped.model.layers[0].linear_attn
+    assert type(block).__name__ == "HFOlmoHybridGatedDeltaNet" and block.allow_neg_eigval == allow_neg_eigval
+    assert block.norm.eps == 1e-5 and sorted(original.state_dict()) == sorted(swapped.state_dict())
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert rel_err(swapped(ids).logits, original(ids).logits) <= 1e-5
+        assert torch.equal(swapped.generate(ids, **kw), original.generate(ids, **kw))
+
+
+def test_olmo_hybrid_block_converts_through_the_adapter_not_into_a_plain_layer():
+    from gdn_layer import GatedDeltaNet
+    from gdn_layer.hf import from_hf
     torch.manual_seed(0)
-    with pytest.raises(TypeError, match="olmo_hybrid") as info:
-        swap_gated_deltanet(olmo_hybrid())
-    for difference in ("q_proj", "g_proj", "eps = 1e-5", "allow_neg_eigval"):
-        assert difference in str(info.value), difference
+    block = slow_decay(olmo_hybrid()).model.layers[0].linear_attn
+    with pytest.raises(TypeError, match="HFOlmoHybridGatedDeltaNet"):
+        GatedDeltaNet.from_hf(block)
+    layer = from_hf(block)
+    x = torch.randn(1, 13, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel_err(layer(x), block(x)) <= 1e-5
 
 
 def test_a_config_with_linear_attention_but_no_block_found_warns():

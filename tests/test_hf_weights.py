@@ -88,3 +88,21 @@ def test_init_weights_after_meta_build_swap_and_to_empty_gives_the_original_dist
         for lin in (b.in_proj_qkv, b.out_proj, b.conv1d):
             assert 0.01 < float(lin.weight.std()) < 0.04
     assert all(bool(p.abs().max() < 1e3) for p in model.parameters())
+
+
+def test_init_weights_reaches_olmo_hybrid_blocks_with_its_own_distributions():
+    """OLMo-Hybrid draws A = U(linear_a_log_min, linear_a_log_max) = U(0, 16) and dt_bias as the
+    inverse softplus of dt = exp(U(log 1e-3, log 0.1))."""
+    from test_hf_families import olmo_hybrid
+    with torch.device("meta"):
+        model = olmo_hybrid()
+    assert swap_gated_deltanet(model) == 2
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        p.data.fill_(3e24)
+    model.init_weights()
+    for b in (model.model.layers[0].linear_attn, model.model.layers[2].linear_attn):
+        assert type(b).__name__ == "HFOlmoHybridGatedDeltaNet"
+        A, dt = b.A_log.exp(), torch.nn.functional.softplus(b.dt_bias)
+        assert bool(((A >= 0) & (A <= 16 * (1 + 1e-6))).all()), A
+        assert bool(((dt >= 1e-3 * (1 - 1e-4)) & (dt <= 0.1 * (1 + 1e-4))).all()), dt
