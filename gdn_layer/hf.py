@@ -1,7 +1,7 @@
 """transformers adapter: build a GatedDeltaNet from a transformers block, or swap every block of a model.
 
-Tested against transformers 5.24 (the ``hf`` extra pins ``>=5.24,<5.25``); the families converted and
-refused are listed in ``gdn_layer/hf_blocks.py`` and docs/layer.md. The swapped block keeps the
+Tested against transformers 5.24 (the ``hf`` extra pins ``>=5.24,<5.25``); the families converted are
+listed in ``gdn_layer/hf_blocks.py`` and docs/layer.md. The swapped block keeps the
 transformers forward signature ``(hidden_states, cache=None, attention_mask=None, **kwargs)`` and
 reads/writes the model's own cache object through its public linear-attention methods
 (``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``).

@@ -44,11 +44,11 @@ def is_gated_deltanet_block(m: nn.Module) -> bool:
 
 
 def hf_sizes(hf_module: nn.Module) -> dict:
-    """Constructor arguments of ``GatedDeltaNet`` (plus ``output_gate``) for a transformers block.
+    """Constructor arguments of ``GatedDeltaNet`` (plus ``output_gate``, and ``allow_neg_eigval`` for
+    OLMo-Hybrid's layout) for a transformers block.
 
     Raises:
-        TypeError: ``hf_module`` is no GatedDeltaNet block of a known layout (names the family and what
-            differs: OLMo-Hybrid's separate projections, ...).
+        TypeError: ``hf_module`` is no GatedDeltaNet block of a known layout (names its class and family).
         ValueError: a feature of the block that ``GatedDeltaNet`` does not compute (names it): a conv
             activation other than SiLU, a conv or projection bias, an output gate other than SiLU / sigmoid.
     """
@@ -88,7 +88,13 @@ def build(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_gr
     """A ``cls`` (``GatedDeltaNet`` or a subclass) with the sizes, an exact copy of the weights and the
     flags of ``hf_module``: each parameter's dtype (an fp32 ``A_log`` in a bf16 block stays fp32, bit
     for bit), ``requires_grad`` and transformers' ``_is_hf_initialized``, each submodule's ``training``.
-    With ``check``, the copy is run against the block first (``verify``)."""
+    With ``check``, the copy is run against the block first (``verify``).
+
+    Raises:
+        TypeError: as ``hf_sizes``; an OLMo-Hybrid block and a ``cls`` without its parameter names (or
+            the reverse).
+        ValueError: as ``hf_sizes``; the block's weights offloaded by accelerate hooks; ``verify`` failed.
+    """
     sizes = hf_sizes(hf_module)
     gate = sizes.pop("output_gate")
     if ("allow_neg_eigval" in sizes) != bool(getattr(cls, "olmo_layout", False)):
