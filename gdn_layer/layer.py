@@ -198,7 +198,9 @@ class GatedDeltaNet(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> "GatedDeltaNet":
-        """Build from a transformers Qwen3-Next / Qwen3.5 GatedDeltaNet block, copying its weights."""
+        """Build from a transformers GatedDeltaNet block (Qwen3-Next, Qwen3.5 and the families listed in
+        ``gdn_layer/hf_blocks.py``), copying its weights exactly, each in its dtype, and checking the copy
+        against the block on a small random input. OLMo-Hybrid blocks: ``gdn_layer.hf.from_hf``."""
         return hf_blocks.build(cls, hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
 
     # ----------------------------------------------------------------------------------------------
