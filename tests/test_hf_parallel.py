@@ -1,6 +1,7 @@
 """The transformers adapter under context / sequence parallelism (2 gloo ranks): boundaries are never
-read from a rank's slice of position_ids / seq_idx (refused on every rank, like under SP), and a 2-D
-attention_mask is taken as this rank's slice (a global one is refused naming the convention)."""
+read from a rank's slice of position_ids / seq_idx (refused on every rank, like under SP), a 2-D
+attention_mask is taken as this rank's slice (a global one is refused naming the convention), and a
+position_ids buffer received in place by a collective gives the new boundaries."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -66,3 +67,24 @@ def _sp_mask(rank, world):
 def test_sp_takes_a_2d_attention_mask_as_the_ranks_slice_and_refuses_the_global_one(pool2):
     for msg, err in pool2.run(_sp_mask, timeout=120):
         assert "this rank's slice" in msg and err <= 1e-5, (msg, err)
+
+
+def _broadcast_refill(rank, world):
+    from test_hf_pipelines import linear_only_qwen3_next, pair
+    _, model = pair(linear_only_qwen3_next)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    first = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    second = torch.cat([torch.arange(8), torch.arange(4)])[None]
+    staging = first.clone() if rank == 1 else second.clone()
+    with torch.no_grad():
+        model(ids, position_ids=staging, use_cache=False)
+        version = staging._version
+        dist.broadcast(staging, src=0)              # rank 1's buffer now holds `second`, version unchanged
+        got = model(ids, position_ids=staging, use_cache=False).logits
+        want = model(ids, position_ids=second.clone(), use_cache=False).logits
+    return staging._version == version, rel_err(got, want)
+
+
+def test_position_ids_received_in_place_by_a_gloo_broadcast_give_the_new_boundaries(pool2):
+    for unchanged_version, err in pool2.run(_broadcast_refill, timeout=120):
+        assert unchanged_version and err == 0, (unchanged_version, err)
