@@ -5,7 +5,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; .ci/run installs it
 
-import gdn_layer.hf as hf  # noqa: E402
 from gdn_layer import GatedDeltaNet  # noqa: E402
 from gdn_layer.hf import HFGatedDeltaNet, swap_gated_deltanet  # noqa: E402
 from gdn_layer.hf_blocks import hf_sizes  # noqa: E402
