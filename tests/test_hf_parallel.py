@@ -88,3 +88,24 @@ def _broadcast_refill(rank, world):
 def test_position_ids_received_in_place_by_a_gloo_broadcast_give_the_new_boundaries(pool2):
     for unchanged_version, err in pool2.run(_broadcast_refill, timeout=120):
         assert unchanged_version and err == 0, (unchanged_version, err)
+
+
+def _olmo_under_sp(rank, world):
+    from gdn_layer.hf import from_hf
+    from gdn_layer.parallel import gather_sequence, shard_sequence
+    from test_hf_families import olmo_hybrid
+    from test_hf_training import slow_decay
+    torch.manual_seed(0)
+    block = slow_decay(olmo_hybrid()).model.layers[0].linear_attn        # allow_neg_eigval on (default)
+    group = dist.group.WORLD
+    layer = from_hf(block, sp_group=group)
+    x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = gather_sequence(layer(shard_sequence(x, group), cu_seq_lens_q=torch.tensor([0, 7, 16])), group)
+        want = torch.cat([block(x[:, :7]), block(x[:, 7:])], 1)
+    return layer.sp_size, rel_err(got, want)
+
+
+def test_olmo_hybrid_block_under_sp_matches_the_block_per_sequence(pool2):
+    for sp, err in pool2.run(_olmo_under_sp, timeout=120):
+        assert sp == 2 and err <= 1e-5, (sp, err)
