@@ -16,7 +16,6 @@ or gradient crosses it).
 """
 from __future__ import annotations
 
-import types
 import warnings
 
 import torch
@@ -207,7 +206,7 @@ def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", 
     for name, m in targets:
         new = build(_class_for(m, HFGatedDeltaNet), m, sp_group=sp_group, backend=backend, cp_group=cp_group)
         new.layer_idx = m.layer_idx
-        new._hf_block_class = type(m)     # for the model's _init_weights (_init_weights_reaching_blocks)
+        new._hf_block_class = type(m)     # for the model's _init_weights (_InitWeightsReachingBlocks)
         built.append((name, new))
     for name, new in built:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
@@ -220,7 +219,7 @@ def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", 
     watch_model_inputs(model, sorted(parents), max(sizes, default=1))
     for m in model.modules():
         if hasattr(m, "_initialize_weights") and "_init_weights" not in m.__dict__:
-            m._init_weights = types.MethodType(_init_weights_reaching_blocks, m)
+            m._init_weights = _InitWeightsReachingBlocks(m)
     config = getattr(model, "config", None)
     layer_types = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                           "layer_types", None) or []
@@ -232,15 +231,22 @@ def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", 
     return len(targets)
 
 
-def _init_weights_reaching_blocks(self, module):
+class _InitWeightsReachingBlocks:
     """The model's ``_init_weights``, which for a swapped block runs on a stand-in of the original
     block's class sharing the block's attributes and parameters: transformers picks the block's
-    initialisation by ``isinstance`` (``dt_bias`` = 1, ``A_log`` = log U(a, b) per family), so the new
-    block gets exactly the original's distributions. Installed on each ``PreTrainedModel`` of a swapped
-    model (instance attribute); linear, conv and norm weights are reached by class as before."""
-    block_class = getattr(module, "_hf_block_class", None)
-    if block_class is None:
-        return type(self)._init_weights(self, module)
-    stand_in = block_class.__new__(block_class)
-    object.__setattr__(stand_in, "__dict__", module.__dict__)
-    return type(self)._init_weights(self, stand_in)
+    initialisation by ``isinstance`` (``dt_bias``, ``A_log`` per family), so the new block gets exactly
+    the original's distributions. Installed as an instance attribute on each ``PreTrainedModel`` of a
+    swapped model (an object, not a bound function, so the model still pickles and deep-copies);
+    linear, conv and norm weights are reached by class as before."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, module):
+        model = self.model
+        block_class = getattr(module, "_hf_block_class", None)
+        if block_class is None:
+            return type(model)._init_weights(model, module)
+        stand_in = block_class.__new__(block_class)
+        object.__setattr__(stand_in, "__dict__", module.__dict__)
+        return type(model)._init_weights(model, stand_in)
