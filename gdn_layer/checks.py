@@ -16,6 +16,7 @@ from gdn_layer.kernels.validation import check_no_nan, values_checkable
 from gdn_layer.parallel import digest_of
 from gdn_layer.parallel.context import agree_across_groups
 from gdn_layer.state import check_state
+from gdn_layer.submodules import check_conv1d
 from gdn_layer.token_order import prepare_token_order
 
 DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -110,8 +111,10 @@ def check_local(layer, x, cu_seqlens, state, output_state):
     if x.dtype != p.dtype and not autocast:
         raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype}); "
                         "cast one of them, or run under torch.autocast with that dtype")
-    if x.device != p.device:
-        raise ValueError(f"hidden_states is on {x.device} but the layer's parameters are on {p.device}")
+    # the layer's own parameter: submodules' may sit on meta until their accelerate hooks restore them
+    if x.device != layer.A_log.device:
+        raise ValueError(f"hidden_states is on {x.device} but the layer's parameters are on {layer.A_log.device}")
+    check_conv1d(layer.conv1d)
     if not isinstance(output_state, bool):
         raise TypeError(f"output_state must be a bool, got {type(output_state).__name__}")
     B, T_local = x.shape[:2]

@@ -1,134 +1,48 @@
 """transformers adapter: build a GatedDeltaNet from a transformers block, or swap every block of a model.
 
-Tested against transformers 5.24 (the ``hf`` extra pins ``>=5.24,<5.25``): Qwen3-Next
-(``Qwen3NextGatedDeltaNet``, fused projections) and Qwen3.5 (``Qwen3_5GatedDeltaNet``, split projections).
-The swapped block keeps the transformers forward signature ``(hidden_states, cache=None,
-attention_mask=None, **kwargs)`` and reads/writes the model's own cache object through its public
-linear-attention methods (``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``,
-``update_recurrent_state``). transformers keeps W conv inputs per sequence where ``GDNState`` keeps W-1;
-the oldest of transformers' W is never read by its conv, so the adapter stores it as zero.
-Speculative decoding's past recording (``cache.activate_past_recording``) is not supported.
+Tested against transformers 5.24 (the ``hf`` extra pins ``>=5.24,<5.25``); the families converted are
+listed in ``gdn_layer/hf_blocks.py`` and docs/layer.md. The swapped block keeps the
+transformers forward signature ``(hidden_states, cache=None, attention_mask=None, **kwargs)`` and
+reads/writes the model's own cache object through its public linear-attention methods
+(``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``).
+transformers keeps W conv inputs per sequence where ``GDNState`` keeps W-1; the oldest of transformers'
+W is never read by its conv, so the adapter stores it as zero. Speculative decoding's past recording
+(``cache.activate_past_recording``) is not supported.
 
-Packed batches reach the block in one of three ways, and each boundary is honoured exactly (no state,
-conv input or gradient crosses it): ``cu_seq_lens_q`` (transformers' flash-attention kwargs, exact as
-given), ``seq_idx [B, T]`` (the sequence number of each token), or ``position_ids`` that restart inside a
-row (what ``DataCollatorWithFlattening`` gives by default). transformers' decoder layers do not hand
-``position_ids`` to their linear-attention block, so ``swap_gated_deltanet`` adds a forward pre-hook to
-each parent layer that passes them on (as ``gdn_position_ids``).
+Packed batches reach the block as ``cu_seq_lens_q`` (transformers' flash-attention kwargs, exact as
+given), ``seq_idx [B, T]`` or ``position_ids`` that restart inside a row; when each is read follows
+transformers (``gdn_layer/hf_packing.py``), and each boundary is honoured exactly (no state, conv input
+or gradient crosses it).
 """
 from __future__ import annotations
 
-import inspect
-import weakref
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gdn_layer.hf_blocks import build, family, is_gated_deltanet_block
+from gdn_layer.hf_packing import (MASK_GIVEN_KEY, POSITION_KEY, packed_cu_seqlens, pass_position_ids, takes,
+                                 watch_model_inputs)
 from gdn_layer.layer import GatedDeltaNet
+from gdn_layer.parallel import seq_to_head
 from gdn_layer.state import GDNState
 
 
-def _hf_sizes(hf_module: nn.Module) -> dict:
-    """Constructor arguments of a transformers GatedDeltaNet block, read from its attributes."""
-    if hasattr(hf_module, "in_proj_qkvz"):
-        layout = "fused"
-    elif hasattr(hf_module, "in_proj_qkv"):
-        layout = "split"
-    else:
-        raise TypeError(f"hf_module must be a transformers GatedDeltaNet block (with in_proj_qkvz or "
-                        f"in_proj_qkv), got {type(hf_module).__name__}")
-    return dict(hidden_size=hf_module.hidden_size, num_k_heads=hf_module.num_k_heads,
-                num_v_heads=hf_module.num_v_heads, head_k_dim=hf_module.head_k_dim,
-                head_v_dim=hf_module.head_v_dim, conv_kernel_size=hf_module.conv_kernel_size,
-                norm_eps=hf_module.layer_norm_epsilon, projection_layout=layout)
-
-
-def _build(cls, hf_module: nn.Module, sp_group, backend, cp_group=None):
-    sizes = _hf_sizes(hf_module)
-    activation = getattr(hf_module, "activation", "silu")
-    if activation not in ("silu", "swish"):
-        raise ValueError(f"only the SiLU conv activation is supported, hf_module uses {activation!r}")
-    p = hf_module.out_proj.weight
-    layer = cls(**sizes, sp_group=sp_group, cp_group=cp_group, backend=backend, device=p.device, dtype=p.dtype)
-    layer.load_state_dict(hf_module.state_dict(), strict=True)
-    # the copy behaves as the block did: frozen parameters stay frozen, an eval() block stays in eval
-    old_params, old_modules = dict(hf_module.named_parameters()), dict(hf_module.named_modules())
-    for name, param in layer.named_parameters():
-        param.requires_grad_(old_params[name].requires_grad)
-    for name, module in layer.named_modules():
-        module.training = old_modules[name].training if name in old_modules else hf_module.training
-    return layer
-
-
 def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> GatedDeltaNet:
-    """A ``GatedDeltaNet`` with the sizes and a copy of the weights of a transformers block, and its
-    flags: each parameter's ``requires_grad`` and each submodule's ``training``. ``sp_group`` and
-    ``cp_group`` as in ``GatedDeltaNet`` (Ulysses; state passing, docs/context_parallel.md).
+    """A ``GatedDeltaNet`` with the sizes and an exact copy of the weights (each parameter in its own
+    dtype) of a transformers block, and its flags: each parameter's ``requires_grad`` and each
+    submodule's ``training``; checked against the block on a small random input (``hf_blocks.build``).
+    ``sp_group`` and ``cp_group`` as in ``GatedDeltaNet`` (Ulysses; state passing,
+    docs/context_parallel.md).
 
     Raises:
-        TypeError: ``hf_module`` is not a transformers GatedDeltaNet block.
+        TypeError: ``hf_module`` is not a GatedDeltaNet block of a family the adapter converts.
+        ValueError: a feature of the block that the copy does not compute (named), or the check failed.
     """
-    return _build(GatedDeltaNet, hf_module, sp_group, backend, cp_group)
-
-
-_POSITION_KEY = "gdn_position_ids"  # how the parent layer's position_ids reach the block (_pass_position_ids)
-
-
-class _LastBoundaries:
-    """The packed ``cu_seqlens`` found for the last tensors asked about: every layer of one forward gets
-    the same ``position_ids`` / ``seq_idx`` / mask objects, so reading them on the host (a sync on
-    accelerators) happens once per forward, not once per layer, and every layer gets one tensor."""
-
-    def __init__(self):
-        self.key, self.refs, self.value = None, (), None
-
-    def get(self, tensors, compute):
-        key = tuple(None if t is None else (id(t), t._version) for t in tensors)
-        if key == self.key and all(r() is t for r, t in zip(self.refs, tensors)):
-            return self.value
-        value = compute()
-        self.key, self.value = key, value
-        self.refs = tuple((lambda: None) if t is None else weakref.ref(t) for t in tensors)
-        return value
-
-
-_LAST = _LastBoundaries()
-
-
-def _row_starts(seq_idx, position_ids, mask, batch: int, length: int) -> torch.Tensor | None:
-    """Bool ``[B, T]`` on the host, True where a sequence starts (always at t = 0), or None if every row
-    is one sequence. ``seq_idx``: a new sequence where the index changes. ``position_ids``: where a
-    position is not the previous one + 1, counted only between two real tokens (``mask`` 1), so the
-    positions transformers gives padding never split a row."""
-    ids, name = (seq_idx, "seq_idx") if seq_idx is not None else (position_ids, "position_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
-        raise ValueError(f"{name} must be an integer tensor [B, T], got "
-                         + (f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor)
-                            else type(ids).__name__))
-    if ids.shape[0] == 1 and batch > 1:  # transformers sometimes passes [1, T] for a whole batch
-        ids = ids.expand(batch, -1)
-    if tuple(ids.shape) != (batch, length):
-        raise ValueError(f"{name} must be [B, T] = {(batch, length)} like the hidden states, "
-                         f"got {tuple(ids.shape)}")
-    ids = ids.detach().cpu().long()
-    if seq_idx is not None:
-        inside = ids[:, 1:] != ids[:, :-1]
-    else:
-        inside = ids[:, 1:] != ids[:, :-1] + 1
-        if mask is not None:
-            real = mask[:, -length:].detach().cpu().bool()
-            inside &= real[:, 1:] & real[:, :-1]
-    if not bool(inside.any()):
-        return None
-    return torch.cat([torch.ones(batch, 1, dtype=torch.bool), inside], 1)
-
-
-def _starts_to_cu(starts: torch.Tensor | None) -> torch.Tensor | None:
-    """Bool ``[B, T]`` sequence starts -> the ``cu_seqlens`` of the ``B * T`` tokens as one pack."""
-    if starts is None:
-        return None
-    return torch.cat([torch.nonzero(starts.reshape(-1))[:, 0], torch.tensor([starts.numel()])])
+    return build(_class_for(hf_module, GatedDeltaNet), hf_module, sp_group=sp_group, backend=backend,
+                 cp_group=cp_group)
 
 
 class HFGatedDeltaNet(GatedDeltaNet):
@@ -137,16 +51,19 @@ class HFGatedDeltaNet(GatedDeltaNet):
     ``forward(hidden_states [B, T, hidden], cache=None, attention_mask=None, **kwargs) -> [B, T, hidden]``.
     ``attention_mask [B, T]`` (1 = token, 0 = padding) zeroes padded inputs as transformers does.
     Sequence boundaries, first match wins: ``cu_seq_lens_q`` (or ``cu_seqlens``), exact as given;
-    ``seq_idx [B, T]``; ``position_ids [B, T]`` (or ``gdn_position_ids``, from the parent layer's hook)
-    that restart inside a row. Rows holding several sequences run as one packed batch of all rows;
-    ordinary positions ``[p, p+1, ...]`` leave each row one sequence. ``seq_idx`` / ``position_ids``
-    are read on the host (a sync on accelerators) once per forward for all layers, only when they are
-    passed and ``T > 1``.
+    ``seq_idx [B, T]`` when there is no cache; ``position_ids [B, T]`` (or ``gdn_position_ids``, from
+    the parent layer's hook) that restart inside a row, only when the model got no attention mask
+    (``gdn_attention_mask_given``, from the swap's hook on the model) and there is no cache, as
+    transformers reads packing for its attention (``hf_packing``). Rows holding several sequences run
+    as one packed batch of all rows; ordinary positions ``[p, p+1, ...]`` leave each row one sequence.
+    ``seq_idx`` / ``position_ids`` are read on the host (a sync on accelerators) once per tensor
+    (``cu_cache.derived``), only when they are read and ``T > 1``.
 
     Raises:
         ValueError: ``seq_idx`` / ``position_ids`` not ``[B, T]`` integers; several sequences in a row
-            together with a cache (it holds one state per row); ``seq_idx`` / ``position_ids`` under
-            sequence parallelism, where only the global ``cu_seq_lens_q`` describes boundaries.
+            together with a cache (it holds one state per row); ``seq_idx`` / ``position_ids`` that
+            would be read, under sequence or context parallelism, where only the global
+            ``cu_seq_lens_q`` describes boundaries.
     """
 
     layer_idx: int = 0
@@ -155,13 +72,16 @@ class HFGatedDeltaNet(GatedDeltaNet):
         cache = kwargs.pop("cache_params", cache)
         cu_seqlens = kwargs.pop("cu_seq_lens_q", cu_seqlens)
         seq_idx = kwargs.pop("seq_idx", None)
-        position_ids = kwargs.pop(_POSITION_KEY, kwargs.pop("position_ids", None))
+        position_ids = kwargs.pop(POSITION_KEY, kwargs.pop("position_ids", None))
+        mask_given = kwargs.pop(MASK_GIVEN_KEY, False) or attention_mask is not None
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if mask is not None:
             hidden_states = (hidden_states * mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)
         B, T = hidden_states.shape[:2]
+        if mask_given or cache is not None:
+            position_ids = None    # transformers reads no packing from positions then, nor does the block
         if cu_seqlens is None and T > 1 and (seq_idx is not None or position_ids is not None):
-            cu_seqlens = self._packed_cu_seqlens(seq_idx, position_ids, mask, B, T, cache)
+            cu_seqlens = self._packed_cu_seqlens(seq_idx, position_ids, B, T, cache)
             if cu_seqlens is not None:  # several sequences in a row: all rows as one packed batch
                 y = super().forward(hidden_states.reshape(1, B * T, -1), cu_seqlens=cu_seqlens)
                 return y.reshape(B, T, -1)
@@ -179,61 +99,154 @@ class HFGatedDeltaNet(GatedDeltaNet):
         cache.update_recurrent_state(new.recurrent_state, self.layer_idx)
         return y
 
-    def _packed_cu_seqlens(self, seq_idx, position_ids, mask, B, T, cache):
-        """``cu_seqlens`` (CPU int64) of all rows as one pack, or None when every row is one sequence.
-        One tensor for every layer of a forward (``_LAST``), so what the kernels derive from it (their
-        per-``cu_seqlens`` caches) is built once per forward."""
+    def _packed_cu_seqlens(self, seq_idx, position_ids, B, T, cache):
+        """``cu_seqlens`` (CPU int64) of all rows as one pack, or None when every row is one sequence
+        (``hf_packing.packed_cu_seqlens``: one tensor for every layer of a forward)."""
         name = "seq_idx" if seq_idx is not None else "position_ids"
-        if self.sp_size > 1:
+        if self.sp_size * self.cp_size > 1:
             # Raised on every rank alike (it depends on no value): a rank's slice of position_ids cannot
             # show a boundary at a rank edge, so reading it could silently join two sequences.
             raise ValueError(
-                f"under sequence parallelism the adapter does not read sequence boundaries from {name} (a "
-                "rank holds only its slice, where a boundary at a rank edge is invisible): pass the GLOBAL "
+                f"under sequence or context parallelism the adapter does not read sequence boundaries from {name} "
+                "(a rank holds only its slice, where a boundary at a rank edge is invisible): pass the GLOBAL "
                 "boundaries as cu_seq_lens_q, the same on every rank (torch.tensor([0, T]) for one sequence)")
-        tensors = (seq_idx, None, None) if seq_idx is not None else (None, position_ids, mask)
-        cu = _LAST.get(tensors, lambda: _starts_to_cu(_row_starts(*tensors, B, T)))
+        ids = seq_idx if seq_idx is not None else position_ids
+        cu = packed_cu_seqlens(ids, seq_idx is not None, B, T)
         if cu is not None and cache is not None:
             raise ValueError(f"{name} puts several sequences in one row (a packed batch), but a cache was given, "
                              "which holds one state per row: pass use_cache=False for packed batches")
         return cu
 
 
-def _pass_position_ids(module, args, kwargs):
-    """Forward pre-hook of a layer whose GatedDeltaNet block was swapped: transformers' decoder layers
-    keep ``position_ids`` for their attention and do not forward them to the linear-attention block,
-    so hand them on (under another name: ``position_ids`` is the layer's own argument)."""
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        return None
-    return args, {**kwargs, _POSITION_KEY: position_ids}
+def _alias(name: str, new: str) -> property:
+    """Read ``self.<name>`` as the submodule registered as ``new`` (or still as ``name`` while
+    ``GatedDeltaNet.__init__`` runs, before the subclass renames it)."""
+    def get(self):
+        modules = self.__dict__.get("_modules", {})
+        for key in (new, name):
+            if key in modules:
+                return modules[key]
+        raise AttributeError(name)
+    return property(get)
 
 
-def _takes_position_ids(module: nn.Module) -> bool:
-    """Whether ``module.forward`` has a ``position_ids`` argument and passes ``**kwargs`` on."""
-    params = inspect.signature(module.forward).parameters.values()
-    return any(p.kind is p.VAR_KEYWORD for p in params) and any(p.name == "position_ids" for p in params)
+class HFOlmoHybridGatedDeltaNet(HFGatedDeltaNet):
+    """OLMo-Hybrid's block (transformers' ``OlmoHybridGatedDeltaNet``) with its parameter names.
+
+    The math of ``GatedDeltaNet`` with the split layout, its projections held separately:
+    ``q_proj, k_proj [Hk*Dk, hidden]``, ``v_proj, g_proj [Hv*Dv, hidden]`` (``g`` is the output gate,
+    ``z`` elsewhere), ``a_proj, b_proj [Hv, hidden]``, ``o_norm`` (the gated norm, transformers' fixed
+    eps 1e-5), ``o_proj`` (out projection), plus ``conv1d`` over ``[q | k | v]``, ``A_log``,
+    ``dt_bias``. With ``allow_neg_eigval``, ``beta = 2 * sigmoid(b)`` (eigenvalues of the transition in
+    [-1, 1]). ``norm`` and ``out_proj`` read ``o_norm`` and ``o_proj``.
+    """
+
+    olmo_layout = True
+    norm = _alias("norm", "o_norm")
+    out_proj = _alias("out_proj", "o_proj")
+
+    def __init__(self, *args, allow_neg_eigval: bool = False, **kwargs):
+        kwargs["projection_layout"] = "split"
+        super().__init__(*args, **kwargs)
+        self.allow_neg_eigval = bool(allow_neg_eigval)
+        kw = {"device": self.A_log.device, "dtype": self._modules["in_proj_qkv"].weight.dtype, "bias": False}
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            delattr(self, name)
+        h, Hv = self.hidden_size, self.num_v_heads
+        for name, rows in (("q_proj", self.key_dim), ("k_proj", self.key_dim), ("v_proj", self.value_dim),
+                           ("a_proj", Hv), ("b_proj", Hv), ("g_proj", self.value_dim)):
+            setattr(self, name, nn.Linear(h, rows, **kw))
+        self._modules["o_norm"] = self._modules.pop("norm")
+        self._modules["o_proj"] = self._modules.pop("out_proj")
+        self.reset_parameters()
+
+    def _project(self, x):
+        """``[q | k | v | a | b]`` of every token (this rank's heads after the all-to-all under SP) and
+        the output gate ``[B, T_local, Hv, Dv]`` from ``g_proj``; each projection called as a module."""
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x), self.a_proj(x), self.b_proj(x)], -1)
+        z = self.g_proj(x).reshape(*x.shape[:2], self.num_v_heads, self.head_v_dim)
+        if self.sp_size > 1:
+            mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group)
+        return mixed, z
+
+    def _gate(self, a, b):
+        g, beta = super()._gate(a, b)
+        return (g, beta * 2.0) if self.allow_neg_eigval else (g, beta)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", allow_neg_eigval={self.allow_neg_eigval}"
+
+
+def _class_for(hf_module: nn.Module, default):
+    return HFOlmoHybridGatedDeltaNet if family(hf_module) == "olmo_hybrid" else default
 
 
 def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> int:
     """Replace every transformers GatedDeltaNet block in ``model`` by an ``HFGatedDeltaNet`` in place.
 
-    Weights are copied, parameter names are unchanged (checkpoints still load), and the model's own
-    cache object and forward signature keep working. Each block keeps its flags: every parameter's
-    ``requires_grad`` and every submodule's ``training``. The new blocks hold new ``Parameter``
+    Weights are copied exactly (each parameter keeps its dtype), parameter names are unchanged
+    (checkpoints still load), and the model's own cache object and forward signature keep working.
+    Each block keeps its flags: every parameter's ``requires_grad`` and every submodule's ``training``.
+    Every copy is first run against its block on a small random input (``hf_blocks.verify``); nothing is
+    replaced unless all match. The model's ``_init_weights`` reaches the new blocks with their family's
+    distributions (``init_weights()`` after a meta-device build). The new blocks hold new ``Parameter``
     objects: build the optimizer (and FSDP / DDP wrappers) after swapping. Each parent layer that takes
-    ``position_ids`` gets a forward pre-hook that passes them to the block, so packs described only by
-    restarting ``position_ids`` stay apart. ``sp_group`` / ``cp_group``: as in ``GatedDeltaNet``.
-    Returns the number of blocks replaced.
+    ``position_ids`` gets a forward pre-hook that passes them to the block, and the module running the
+    layers one that records whether the model got an ``attention_mask`` (hf_packing: packing is read
+    from positions as transformers reads it). ``sp_group`` / ``cp_group``: as in ``GatedDeltaNet``.
+    Returns the number of blocks replaced; warns when the config lists ``linear_attention`` layers but
+    no block was found.
+
+    Raises:
+        TypeError / ValueError (before anything is replaced): a block of a family or with a feature the
+            adapter does not convert, naming both (e.g. OLMo-Hybrid's separate projections).
     """
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m).__name__.endswith("GatedDeltaNet") and type(m).__module__.startswith("transformers.")]
+    targets = [(name, m) for name, m in model.named_modules() if is_gated_deltanet_block(m)]
+    built = []
     for name, m in targets:
-        new = _build(HFGatedDeltaNet, m, sp_group, backend, cp_group)
+        new = build(_class_for(m, HFGatedDeltaNet), m, sp_group=sp_group, backend=backend, cp_group=cp_group)
         new.layer_idx = m.layer_idx
+        new._hf_block_class = type(m)     # for the model's _init_weights (_InitWeightsReachingBlocks)
+        built.append((name, new))
+    for name, new in built:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         setattr(parent, name.rpartition(".")[2], new)
-        if _takes_position_ids(parent) and not getattr(parent, "_gdn_passes_position_ids", False):
-            parent.register_forward_pre_hook(_pass_position_ids, with_kwargs=True)
+        if takes(parent, "position_ids") and not getattr(parent, "_gdn_passes_position_ids", False):
+            parent.register_forward_pre_hook(pass_position_ids, with_kwargs=True)
             parent._gdn_passes_position_ids = True
+    parents = {name.rpartition(".")[0] for name, _ in targets}
+    sizes = [b.sp_size * b.cp_size for b in model.modules() if isinstance(b, HFGatedDeltaNet)]
+    watch_model_inputs(model, sorted(parents), max(sizes, default=1))
+    for m in model.modules():
+        if hasattr(m, "_initialize_weights") and "_init_weights" not in m.__dict__:
+            m._init_weights = _InitWeightsReachingBlocks(m)
+    config = getattr(model, "config", None)
+    layer_types = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                          "layer_types", None) or []
+    if not targets and "linear_attention" in layer_types and not any(
+            isinstance(m, HFGatedDeltaNet) for m in model.modules()):
+        warnings.warn(f"swap_gated_deltanet: the config of {type(model).__name__} lists linear_attention layers, "
+                      "but no transformers GatedDeltaNet block was found to swap (a model family whose "
+                      "linear-attention block has another class name?): nothing was replaced", stacklevel=2)
     return len(targets)
+
+
+class _InitWeightsReachingBlocks:
+    """The model's ``_init_weights``, which for a swapped block runs on a stand-in of the original
+    block's class sharing the block's attributes and parameters: transformers picks the block's
+    initialisation by ``isinstance`` (``dt_bias``, ``A_log`` per family), so the new block gets exactly
+    the original's distributions. Installed as an instance attribute on each ``PreTrainedModel`` of a
+    swapped model (an object, not a bound function, so the model still pickles and deep-copies);
+    linear, conv and norm weights are reached by class as before."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, module):
+        model = self.model
+        block_class = getattr(module, "_hf_block_class", None)
+        if block_class is None:
+            return type(model)._init_weights(model, module)
+        stand_in = block_class.__new__(block_class)
+        object.__setattr__(stand_in, "__dict__", module.__dict__)
+        return type(model)._init_weights(model, stand_in)

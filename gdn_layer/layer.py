@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gdn_layer import kernels
+from gdn_layer import hf_blocks, kernels
 from gdn_layer.checks import check_config, check_inputs
 from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.derived import derived_from_sizes
@@ -20,6 +20,7 @@ from gdn_layer.parallel import (gather_heads, head_to_seq, partition_heads, proj
 from gdn_layer.projection_layouts import load_either_layout
 from gdn_layer.state import GDNState
 from gdn_layer.token_order import fragment_token_mix, to_held_order, to_original_order
+from gdn_layer.submodules import conv_weight
 
 
 def _is_decode(x: torch.Tensor, cu) -> bool:
@@ -124,9 +125,10 @@ class GatedDeltaNet(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> "GatedDeltaNet":
-        """Build from a transformers Qwen3-Next / Qwen3.5 GatedDeltaNet block, copying its weights."""
-        from gdn_layer.hf import from_hf  # transformers is optional
-        return from_hf(hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
+        """Build from a transformers GatedDeltaNet block (Qwen3-Next, Qwen3.5 and the families listed in
+        ``gdn_layer/hf_blocks.py``), copying its weights exactly, each in its dtype, and checking the copy
+        against the block on a small random input. OLMo-Hybrid blocks: ``gdn_layer.hf.from_hf``."""
+        return hf_blocks.build(cls, hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
 
     # ----------------------------------------------------------------------------------------------
     # construction helpers
@@ -310,7 +312,7 @@ class GatedDeltaNet(nn.Module):
         C = self.local_conv_dim
         Dk, Dv = self.head_k_dim, self.head_v_dim
         hk, hv = self.heads.k_heads_per_rank, self.heads.v_heads_per_rank
-        weight = self.conv1d.weight[:, 0, :]
+        weight = conv_weight(self.conv1d)[:, 0, :]   # (honours an accelerate hook on conv1d)
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
         widths = [hk * Dk, hk * Dk, hv * Dv]

@@ -5,9 +5,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; .ci/run installs it
 
-import gdn_layer.hf as hf  # noqa: E402
 from gdn_layer import GatedDeltaNet  # noqa: E402
 from gdn_layer.hf import HFGatedDeltaNet, swap_gated_deltanet  # noqa: E402
+from gdn_layer.hf_blocks import hf_sizes  # noqa: E402
 from test_hf import COMMON, qwen3_5, qwen3_next, rel_err  # noqa: E402
 
 LENS = (5, 7)   # two samples packed into one row
@@ -106,9 +106,10 @@ def test_packed_gradients_under_gradient_checkpointing_equal_the_per_sample_grad
 
 
 def test_position_ids_are_read_once_per_forward_not_once_per_layer(swapped, monkeypatch):
+    import gdn_layer.hf_packing as packing
     calls = []
-    real = hf._row_starts
-    monkeypatch.setattr(hf, "_row_starts", lambda *a: calls.append(1) or real(*a))
+    real = packing._row_starts
+    monkeypatch.setattr(packing, "_row_starts", lambda *a: calls.append(1) or real(*a))
     ids, pos, _ = packed_row(seed=3)
     logits(swapped, ids, position_ids=pos)
     assert len(calls) == 1   # two GatedDeltaNet layers, one host read
@@ -133,13 +134,15 @@ def test_every_layer_of_a_forward_gets_the_same_cu_seqlens(swapped, monkeypatch)
     assert len(seen) == 4 and seen[2] is seen[3] and seen[2].tolist() == [0, 5, 12]
 
 
-def test_packed_position_ids_with_a_cache_raise_instead_of_leaking():
+def test_packed_seq_idx_with_a_cache_raise_instead_of_leaking():
+    """seq_idx states a pack explicitly; a cache holds one state per row. (Restarting position_ids with
+    a cache are not a pack, as in transformers: tests/test_hf_pipelines.py.)"""
     torch.manual_seed(0)
     model = slow_decay(qwen3_5()).eval()
     swap_gated_deltanet(model)
-    ids, pos, _ = packed_row()
+    ids, _, seq = packed_row()
     with pytest.raises(ValueError, match="use_cache=False"):
-        model(ids, position_ids=pos, use_cache=True)
+        model(ids, seq_idx=seq, use_cache=True)
 
 
 def test_left_padded_generate_is_not_mistaken_for_a_pack():
@@ -191,8 +194,8 @@ def test_swap_keeps_requires_grad_per_parameter_and_train_eval_mode(make):
 def test_a_transformers_checkpoint_loads_into_the_other_layout(make, other):
     torch.manual_seed(5)
     block = slow_decay(make()).model.layers[0].linear_attn
-    sizes = hf._hf_sizes(block)
-    assert sizes.pop("projection_layout") != other
+    sizes = hf_sizes(block)
+    assert sizes.pop("projection_layout") != other and sizes.pop("output_gate") == "silu"
     layer = GatedDeltaNet(**sizes, projection_layout=other)
     layer.load_state_dict(block.state_dict())
     x = torch.randn(1, 40, COMMON["hidden_size"])
