@@ -67,7 +67,7 @@ def packed_cu_seqlens(ids: torch.Tensor, is_seq_idx: bool, batch: int, length: i
     Derived once per tensor (``kernels.cu_cache.derived``: identity, version and, on the CPU, values;
     keyed by ``B``, ``T`` and the kind of ids), so every layer of a forward reads the ids on the host
     once and gets one ``cu_seqlens`` tensor (what the kernels derive from it is then built once too).
-    Inference tensors are never cached: read once per layer.
+    Inference tensors on an accelerator are never kept (read once per layer); CPU ones are, by value.
     """
     name = "seq_idx" if is_seq_idx else "position_ids"
     check_ids(ids, name, batch, length)
