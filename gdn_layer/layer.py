@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from gdn_layer import kernels
 from gdn_layer.kernels import (causal_conv1d, check_cu_seqlens, chunk_gated_delta_rule, gdn_gate,
                                recurrent_gated_delta_rule)
-from gdn_layer.context_parallel import cp_token_mix
+from gdn_layer.context_parallel import cp_token_mix, whole_sequence_cu
 from gdn_layer.kernels.validation import check_no_nan, skip_value_checks, values_checkable
 from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import (digest_of, gather_heads, head_to_seq, partition_heads, project_seq_to_head,
@@ -386,7 +386,7 @@ class GatedDeltaNet(nn.Module):
                 f"gdn_layer.parallel.pad_for_sp(hidden_states, cu_seqlens, {P})")
             cu = check_cu_seqlens(cu_seqlens, T, device=x.device, length_hint=hint)
         elif self.cp_size > 1:  # one sequence: the slices still hand its state on
-            cu = torch.tensor([0, T], dtype=torch.int64, device=x.device)
+            cu = whole_sequence_cu(T, x.device)
         n = B if cu is None else cu.numel() - 1
         check_no_nan("hidden_states", x, finite=True)
         if state is not None:
@@ -432,6 +432,17 @@ class GatedDeltaNet(nn.Module):
         if self.sp_size > 1:
             mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group)
         return mixed, z
+
+    def _v_head_index(self, device: torch.device) -> list[torch.Tensor]:
+        """Per rank, int64 ``[Hv_local]`` on ``device``: the value heads it holds. Kept like
+        ``_feature_index`` (from the sizes alone), so a state gather copies no index to the device."""
+        key = ("v_heads", device.type, device.index)
+        index = self._feature_index_cache.get(key)
+        if index is None:
+            index = [torch.arange(r.start, r.stop, device=device) for r in map(self.heads.v_heads, range(self.sp_size))]
+            if not torch.compiler.is_compiling():
+                self._feature_index_cache[key] = index
+        return index
 
     def _local_conv_state(self, state: GDNState | None):
         """This rank's channels of a full conv state (those of its q/k and value heads)."""
@@ -499,8 +510,8 @@ class GatedDeltaNet(nn.Module):
         if self.sp_size > 1:
             idx = self._feature_index(conv_state.device)[:, :self.local_conv_dim]
             conv_state = gather_heads(conv_state, list(idx), self.conv_dim, 1, self.sp_group)
-            vidx = [torch.arange(r.start, r.stop) for r in map(self.heads.v_heads, range(self.sp_size))]
-            recurrent_state = gather_heads(recurrent_state, vidx, self.num_v_heads, 1, self.sp_group)
+            recurrent_state = gather_heads(recurrent_state, self._v_head_index(recurrent_state.device),
+                                           self.num_v_heads, 1, self.sp_group)
         return GDNState(conv_state.float() if conv_state.dtype != torch.float64 else conv_state,
                         recurrent_state)
 
