@@ -9,7 +9,8 @@ random documents), bf16, value checks off, after ``gdn_layer.kernels.warmup``:
 - ``host_ms``: host time to issue one forward+backward (the GPU synced before; clock stopped when
   ``backward()`` returns, before any sync): what the Python and launch path costs;
 - ``gpu_ms``: the sum of the kernels' device times per forward+backward (profiler), i.e. the GPU busy time;
-- ``wall_ms``: median wall time of one synced forward+backward (CUDA events), over ``--iters``.
+- ``wall_ms``: median wall time of one synced forward+backward (CUDA events), over ``--iters``;
+- ``host_fwd_nograd_ms`` (JSON only): host time of one forward under ``torch.no_grad``.
 
 If ``host_ms > gpu_ms`` the GPU waits on this layer (the issue-23 target: host below GPU at 8k).
 A fresh ``cu_seqlens`` tensor is made for every call, as a training loop gets one per step (nothing
@@ -40,7 +41,7 @@ def packing(T: int, docs: int, seed: int = 0) -> list[int]:
     return [0] + sorted(rnd.sample(range(1, T), docs - 1)) + [T]
 
 
-def measure(layer, T, docs, iters, prof_iters, same_cu, top):
+def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0):
     from gdn_layer.kernels import warmup
     dev, dt = layer.A_log.device, torch.bfloat16
     cu_list = packing(T, docs)
@@ -76,7 +77,27 @@ def measure(layer, T, docs, iters, prof_iters, same_cu, top):
     launches = sum(1 for e in events if e.name in LAUNCH_CALLS) / prof_iters
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_ms = sum(e.device_time for e in kernels) / 1e3 / prof_iters
+    host_fwd = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            layer(x, cu_seqlens=cu_fixed if same_cu else torch.tensor(cu_list, dtype=torch.int32, device=dev))
+        host_fwd.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    if cprofile:
+        import cProfile
+        import pstats
+        torch.cuda.synchronize()
+        with cProfile.Profile() as cp:
+            for _ in range(cprofile):
+                call()
+            torch.cuda.synchronize()
+        stats = pstats.Stats(cp)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(45)
     row = {"T": T, "docs": docs, "launches": launches, "host_ms": round(statistics.median(host), 3),
+           "host_fwd_nograd_ms": round(statistics.median(host_fwd), 3),
            "gpu_ms": round(gpu_ms, 3), "wall_ms": round(statistics.median(wall), 3),
            "kernels": len(kernels) / prof_iters}
     if top:
@@ -100,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--prof-iters", type=int, default=5)
     ap.add_argument("--same-cu", action="store_true", help="one cu_seqlens tensor for every call")
     ap.add_argument("--top", type=int, default=0)
+    ap.add_argument("--cprofile", type=int, default=0, help="also run this many calls of the first shape and "
+                    "length under cProfile and print the top Python functions")
     ap.add_argument("--label", default="", help="a name printed in each row (e.g. 'before' / 'after')")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
@@ -113,7 +136,7 @@ def main(argv=None):
         layer = GatedDeltaNet(H, HK, HV, D, D, backend=args.backend, device="cuda", dtype=torch.bfloat16)
         for j, T in enumerate(args.T):
             row = measure(layer, T, args.docs, args.iters, args.prof_iters, args.same_cu,
-                          args.top if i == j == 0 else 0)
+                          args.top if i == j == 0 else 0, args.cprofile if i == j == 0 else 0)
             row.update(shape=shape, label=args.label, backend=layer.resolved_backend)
             rows.append(row)
             print(f"| {args.label} | {shape} | {T} | {args.docs} | {row['launches']:.0f} | {row['host_ms']} | "
