@@ -41,7 +41,45 @@ def packing(T: int, docs: int, seed: int = 0) -> list[int]:
     return [0] + sorted(rnd.sample(range(1, T), docs - 1)) + [T]
 
 
-def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0):
+def backend_host_ms(call, iters: int) -> dict:
+    """Host ms per ``call()`` spent inside each function of the bound backends (the bodies of the
+    custom ops: our Triton launchers, fla's / FlashQLA's Python and launches), the GPU synced before
+    each call; ``"total"`` is the whole call. The rest is the layer's Python, the custom ops' dispatch
+    and autograd, and the aten ops (projections, casts, gradient sums)."""
+    from gdn_layer.kernels import registry
+    spent: dict = {}
+    saved = []
+    for b in {id(b): b for b in registry._BACKENDS.values()}.values():
+        for field in ("chunk_gated_delta_rule", "chunk_gated_delta_rule_bwd", "causal_conv1d", "causal_conv1d_bwd",
+                      "gdn_gate", "gdn_gate_bwd", "gated_rms_norm", "gated_rms_norm_bwd"):
+            fn = getattr(b, field, None)
+            if fn is None:
+                continue
+
+            def timed(*a, _fn=fn, _key=f"{b.name}.{field}", **k):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    spent[_key] = spent.get(_key, 0.0) + time.perf_counter() - t0
+            saved.append((b, field, fn))
+            object.__setattr__(b, field, timed)
+    try:
+        total = 0.0
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            call()
+            total += time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        for b, field, fn in saved:
+            object.__setattr__(b, field, fn)
+    spent["total"] = total
+    return {k: v / iters * 1e3 for k, v in spent.items()}
+
+
+def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0, breakdown=False):
     from gdn_layer.kernels import warmup
     dev, dt = layer.A_log.device, torch.bfloat16
     cu_list = packing(T, docs)
@@ -49,12 +87,17 @@ def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0):
     dy = torch.randn_like(x)
     cu_fixed = torch.tensor(cu_list, dtype=torch.int32, device=dev)
 
+    fla = not hasattr(layer, "resolved_backend")   # fla's own layer (--layer fla): returns a tuple
+
+    def forward(cu):
+        return layer(x, cu_seqlens=cu)[0] if fla else layer(x, cu_seqlens=cu)
+
     def call():
         cu = cu_fixed if same_cu else torch.tensor(cu_list, dtype=torch.int32, device=dev)
-        y = layer(x, cu_seqlens=cu)
-        y.backward(dy)
+        forward(cu).backward(dy)
 
-    warmup(layer, include_decode=False, include_states=False)
+    if not fla:
+        warmup(layer, include_decode=False, include_states=False)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -82,9 +125,13 @@ def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
-            layer(x, cu_seqlens=cu_fixed if same_cu else torch.tensor(cu_list, dtype=torch.int32, device=dev))
+            forward(cu_fixed if same_cu else torch.tensor(cu_list, dtype=torch.int32, device=dev))
         host_fwd.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
+    if breakdown and not fla:
+        print(f"host ms per forward+backward inside each backend function (T={T}, {iters} calls):", flush=True)
+        for name, ms in sorted(backend_host_ms(call, iters).items(), key=lambda kv: -kv[1]):
+            print(f"  {ms:7.3f}  {name}")
     if cprofile:
         import cProfile
         import pstats
@@ -123,6 +170,10 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=0)
     ap.add_argument("--cprofile", type=int, default=0, help="also run this many calls of the first shape and "
                     "length under cProfile and print the top Python functions")
+    ap.add_argument("--breakdown", action="store_true", help="also print the host time inside each backend "
+                    "function of the first shape and length")
+    ap.add_argument("--layer", default="ours", choices=["ours", "fla"], help="ours, or fla 0.6's layer "
+                    "(fla.layers.GatedDeltaNet, expand_v=1) for comparison")
     ap.add_argument("--label", default="", help="a name printed in each row (e.g. 'before' / 'after')")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
@@ -133,11 +184,18 @@ def main(argv=None):
     for i, shape in enumerate(args.shapes):
         H, HK, HV, D = SHAPES[shape]
         torch.manual_seed(0)
-        layer = GatedDeltaNet(H, HK, HV, D, D, backend=args.backend, device="cuda", dtype=torch.bfloat16)
+        if args.layer == "fla":
+            from fla.layers import GatedDeltaNet as FlaGDN
+            layer = FlaGDN(hidden_size=H, expand_v=1, head_dim=D, num_heads=HK, num_v_heads=HV, mode="chunk",
+                           use_short_conv=True).to("cuda", torch.bfloat16)
+        else:
+            layer = GatedDeltaNet(H, HK, HV, D, D, backend=args.backend, device="cuda", dtype=torch.bfloat16)
         for j, T in enumerate(args.T):
             row = measure(layer, T, args.docs, args.iters, args.prof_iters, args.same_cu,
-                          args.top if i == j == 0 else 0, args.cprofile if i == j == 0 else 0)
-            row.update(shape=shape, label=args.label, backend=layer.resolved_backend)
+                          args.top if i == j == 0 else 0, args.cprofile if i == j == 0 else 0,
+                          args.breakdown and i == j == 0)
+            row.update(shape=shape, label=args.label, layer=args.layer, same_cu=args.same_cu,
+                       backend=getattr(layer, "resolved_backend", "fla layer"))
             rows.append(row)
             print(f"| {args.label} | {shape} | {T} | {args.docs} | {row['launches']:.0f} | {row['host_ms']} | "
                   f"{row['gpu_ms']} | {row['wall_ms']} |", flush=True)
