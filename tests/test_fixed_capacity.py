@@ -19,9 +19,10 @@ PACKINGS = ([0, 5, 30, 48], [0, 48], [0, 1, 2, 3, 40, 48])   # different N and l
 N_MAX = 6
 
 
-def _layer(sp_group=None, cp_group=None):
+def _layer(sp_group=None, cp_group=None, layout="split"):
     torch.manual_seed(0)
-    layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV, sp_group=sp_group, cp_group=cp_group, backend="torch")
+    layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV, sp_group=sp_group, cp_group=cp_group, backend="torch",
+                          projection_layout=layout)
     with torch.no_grad():
         layer.conv1d.weight.normal_(0, 0.5)
         layer.A_log.copy_(torch.empty(HV).uniform_(0.01, 0.05).log())   # slow decay
@@ -108,9 +109,10 @@ def _state(n, layer, gen):
                     torch.randn(n, HV, DK, DV, generator=gen).requires_grad_())
 
 
-def test_a_packed_step_reads_nothing_on_the_host_over_new_packings_of_one_capacity():
+@pytest.mark.parametrize("layout", ["split", "fused"])
+def test_a_packed_step_reads_nothing_on_the_host_over_new_packings_of_one_capacity(layout):
     """Every call gets a NEW cu_seqlens tensor (nothing derived from an earlier one can be reused)."""
-    layer = _layer()
+    layer = _layer(layout=layout)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(1, T, HIDDEN, generator=gen)
     _step(layer, x, pad_cu_seqlens(torch.tensor(PACKINGS[0]), N_MAX), _state(N_MAX, layer, gen))  # first call
