@@ -47,9 +47,9 @@ class SlicePlan:
         outgoing: index of the sequence that holds the slice's last token and continues into the next
             slice, or -1.
         outgoing_from: local index where ``outgoing`` begins in the slice (0 if it came in).
-        owner: int64 ``[N]`` (on ``cu_seqlens``'s device): the rank holding each sequence's last token, whose local run gives
-            the sequence's final state; for an empty sequence the rank whose slice holds its position
-            (the last rank for a position of T).
+        owner: int64 ``[N]`` (on ``cu_seqlens``'s device): the rank holding each sequence's last token,
+            whose local run gives the sequence's final state; for an empty sequence the rank whose slice
+            holds its position (the last rank for a position of T).
     """
 
     size: int
