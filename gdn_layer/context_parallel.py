@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from gdn_layer.kernels import chunk_gated_delta_rule
+from gdn_layer.derived import derived_from_sizes
+from gdn_layer.kernels import chunk_gated_delta_rule, cu_cache
 from gdn_layer.parallel.context import (affine_scan, gather_from_ranks, plan_slice, rows_before_slice,
                                         select_owned)
 
@@ -45,7 +46,8 @@ def cp_token_mix(layer, mixed: torch.Tensor, cu: torch.Tensor, state, output_sta
         layer: the GatedDeltaNet (its cp group, sizes, weights, backend and local-head helpers).
         mixed: ``[1, L, C_local + 2 hv]`` pre-conv ``[q | k | v | a | b]`` of every token of the slice,
             this sp rank's channels (``C_local = layer.local_conv_dim``).
-        cu: int64 ``[N + 1]`` GLOBAL boundaries (``cu[-1] = cp * L``); read once on the host.
+        cu: int64 ``[N + 1]`` GLOBAL boundaries (``cu[-1] = cp * L``); read on the host once per tensor
+            (``slice_plan``).
         state: the full ``GDNState`` or None. output_state: whether final states are needed.
 
     Returns:
@@ -53,7 +55,7 @@ def cp_token_mix(layer, mixed: torch.Tensor, cu: torch.Tensor, state, output_sta
         ``[N, hv, Dk, Dv]``, the final state of every sequence, taken from the rank holding its last
         token, the same on every cp rank) or None without ``output_state``.
     """
-    plan = plan_slice(cu, layer.cp_size, layer.cp_rank)
+    plan = slice_plan(cu, layer.cp_size, layer.cp_rank)
     conv0 = _conv_initial_state(layer, mixed, plan, state)
     q, k, v, a, b, conv_state = layer._conv(mixed, plan.cu_local, conv0, output_state)
     g, beta = layer._gate(a, b)
@@ -68,6 +70,25 @@ def cp_token_mix(layer, mixed: torch.Tensor, cu: torch.Tensor, state, output_sta
     n_conv = conv_state[0].numel()
     return (o, both[:, :n_conv].reshape(conv_state.shape).to(conv_state.dtype),
             both[:, n_conv:].reshape(recurrent_state.shape).to(recurrent_state.dtype))
+
+
+def slice_plan(cu: torch.Tensor, size: int, rank: int):
+    """``plan_slice`` of ``cu``, built once per ``cu`` tensor (``kernels.cu_cache``): every layer of a step
+    and its backward share one plan, and its one host read of ``cu`` is the cached ``host_copy`` that
+    the kernels' own index plans read too (one device-to-host copy per pack, not per layer call)."""
+    return cu_cache.derived(cu, ("cp_slice_plan", size, rank), lambda: plan_slice(
+        cu, size, rank, host_cu=[int(v) for v in cu_cache.host_copy(cu).tolist()]))
+
+
+def whole_sequence_cu(T: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[0, T]`` on ``device`` (one sequence, under CP without ``cu_seqlens``), one tensor per
+    ``(T, device)`` (``gdn_layer.derived``, 16 kept): no host-built tensor per call, and the slice plan
+    derived from it is cached too."""
+    return derived_from_sizes(_WHOLE, (T, str(device)),
+                              lambda: torch.tensor([0, T], dtype=torch.int64, device=device), max_entries=16)
+
+
+_WHOLE: dict = {}
 
 
 def _state_dtype(t: torch.Tensor) -> torch.dtype:

@@ -142,17 +142,26 @@ def remember(source: torch.Tensor, key: Hashable, value: Any) -> None:
     derived(source, key, lambda: value)
 
 
-def derived_from_sizes(store: dict, key: Hashable, build: Callable[[], Any]) -> Any:
-    """``build()`` kept in ``store`` (the owner's own dict) under ``key``: for values derived from a
-    module's sizes alone (no input tensor), e.g. the all-to-all's feature index per device. Built outside
-    inference mode, for the reason above; not kept during a CUDA graph capture or a ``torch.compile``
-    trace. ``key`` must name everything the value depends on (the device, at least)."""
+def derived_from_sizes(store: dict, key: Hashable, build: Callable[[], Any], max_entries: int | None = None) -> Any:
+    """``build()`` kept in ``store`` (the owner's own dict) under ``key``: for values derived from sizes
+    alone (no input tensor), e.g. the all-to-all's feature index per device, a ``[0, T]`` boundary
+    tensor per ``(T, device)``. Built outside inference mode, for the reason above; not kept while
+    ``torch.compile`` traces or during a CUDA graph capture. ``key`` must name everything the value
+    depends on (the device, at least). With ``max_entries``, the least recently used entries beyond it
+    are dropped (rebuilt on their next use)."""
     value = store.get(key)
-    if value is None:
-        with torch.inference_mode(False):
-            value = build()
-        if not (torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
-            store[key] = value
+    if value is not None:
+        if max_entries is not None:
+            store[key] = store.pop(key)          # most recently used last
+        return value
+    if torch.compiler.is_compiling():            # a tensor made while tracing is a fake one: never kept
+        return build()
+    with torch.inference_mode(False):
+        value = build()
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        store[key] = value
+        while max_entries is not None and len(store) > max_entries:
+            store.pop(next(iter(store)))
     return value
 
 

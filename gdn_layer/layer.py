@@ -292,6 +292,12 @@ class GatedDeltaNet(nn.Module):
             mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group)
         return mixed, z
 
+    def _v_head_index(self, device: torch.device) -> list[torch.Tensor]:
+        """Per rank, int64 ``[Hv_local]`` on ``device``: the value heads it holds. Kept like
+        ``_feature_index`` (from the sizes alone), so a state gather copies no index to the device."""
+        return derived_from_sizes(self._feature_index_cache, ("v_heads", device.type, device.index), lambda: [
+            torch.arange(r.start, r.stop, device=device) for r in map(self.heads.v_heads, range(self.sp_size))])
+
     def _local_conv_state(self, state: GDNState | None):
         """This rank's channels of a full conv state (those of its q/k and value heads)."""
         if state is None or self.sp_size == 1:
@@ -358,8 +364,8 @@ class GatedDeltaNet(nn.Module):
         if self.sp_size > 1:
             idx = self._feature_index(conv_state.device)[:, :self.local_conv_dim]
             conv_state = gather_heads(conv_state, list(idx), self.conv_dim, 1, self.sp_group)
-            vidx = [torch.arange(r.start, r.stop) for r in map(self.heads.v_heads, range(self.sp_size))]
-            recurrent_state = gather_heads(recurrent_state, vidx, self.num_v_heads, 1, self.sp_group)
+            recurrent_state = gather_heads(recurrent_state, self._v_head_index(recurrent_state.device),
+                                           self.num_v_heads, 1, self.sp_group)
         return GDNState(conv_state.float() if conv_state.dtype != torch.float64 else conv_state,
                         recurrent_state)
 

@@ -23,12 +23,12 @@ Ops (inputs already validated by ``api.py``; optional outputs come back as empty
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..derived import derived_from_sizes
 from . import cu_cache
 from .reference import compute_dtype as math_dtype   # fp64 when any input is fp64, else fp32 (None ignored)
 from .registry import backend_by_name
@@ -94,15 +94,19 @@ def _delta_rule_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_
     return v.new_empty(v.shape), q.new_empty(shape, dtype=math_dtype(q, k, v, g, beta, initial_state))
 
 
-@functools.lru_cache(maxsize=16)
+_DENSE_CU: dict = {}
+
+
 def _dense_cu(B: int, T: int, device: torch.device) -> torch.Tensor:
-    """``[0, T, 2T, ..., B*T]`` on ``device``, one read-only tensor per shape with its host values
-    recorded (``cu_cache``): the backends' per-``cu_seqlens`` caches then hit for every dense call of
-    that shape, and nothing reads it back from the device."""
-    with torch.inference_mode(False):    # kept for later calls: not an inference tensor, which is never cached
+    """``[0, T, 2T, ..., B*T]`` on ``device``, one read-only tensor per shape (16 kept, by the project's
+    caching rule: ``gdn_layer.derived``) with its host values recorded (``cu_cache``): the backends'
+    per-``cu_seqlens`` caches then hit for every dense call of that shape, and nothing reads it back
+    from the device."""
+    def build():
         cu = torch.arange(0, B * T + 1, T, device=device, dtype=torch.int64)
         cu_cache.remember(cu, "host", torch.arange(0, B * T + 1, T, dtype=torch.int64, device="cpu"))
-    return cu
+        return cu
+    return derived_from_sizes(_DENSE_CU, (B, T, str(device)), build, max_entries=16)
 
 
 def _as_packed(b, cu_seqlens, *tensors):

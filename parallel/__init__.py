@@ -15,14 +15,14 @@ from .gather_heads import gather_heads
 from .grads import reduce_sp_grads
 from .groups import resolve_sp_group
 from .heads import HeadPartition, partition_heads
-from .packing import gather_sequence, pad_for_sp, shard_sequence
+from .packing import gather_sequence, pad_cu_seqlens, pad_for_sp, shard_sequence
 from .token_order import check_token_order, head_tail_order, per_document_head_tail_order
 
 __all__ = [
     "resolve_sp_group",
     "HeadPartition", "partition_heads",
     "seq_to_head", "head_to_seq", "project_seq_to_head",
-    "pad_for_sp", "shard_sequence", "gather_sequence",
+    "pad_for_sp", "pad_cu_seqlens", "shard_sequence", "gather_sequence",
     "reduce_sp_grads",
     "gather_heads",
     "agree_across_ranks", "digest_of", "DIGEST_LEN",

@@ -47,9 +47,9 @@ class SlicePlan:
         outgoing: index of the sequence that holds the slice's last token and continues into the next
             slice, or -1.
         outgoing_from: local index where ``outgoing`` begins in the slice (0 if it came in).
-        owner: int64 ``[N]`` (CPU): the rank holding each sequence's last token, whose local run gives
-            the sequence's final state; for an empty sequence the rank whose slice holds its position
-            (the last rank for a position of T).
+        owner: int64 ``[N]`` (on ``cu_seqlens``'s device): the rank holding each sequence's last token,
+            whose local run gives the sequence's final state; for an empty sequence the rank whose slice
+            holds its position (the last rank for a position of T).
     """
 
     size: int
@@ -103,7 +103,8 @@ def plan_slice(cu_seqlens: torch.Tensor, size: int, rank: int, host_cu: list[int
         j = bisect.bisect_right(cu, end - 1) - 1  # the sequence holding token end - 1
         if cu[j + 1] > end:
             outgoing, outgoing_from = j, max(cu[j] - start, 0)
-    t = torch.tensor(cu, dtype=torch.int64)
+    # on cu_seqlens's device, from the tensor: no host list turned back into a tensor
+    t = cu_seqlens.to(torch.int64)
     last = torch.where(t[1:] > t[:-1], t[1:] - 1, t[:-1])
     owner = (last // max(L, 1)).clamp(max=size - 1)
     return SlicePlan(size, rank, L, start, cu_local, incoming, incoming_first_rank, seen, outgoing,
@@ -162,14 +163,16 @@ def select_owned(x: torch.Tensor, owner: torch.Tensor, group) -> torch.Tensor:
 
     Args:
         x: ``[N, ...]`` per-sequence results of this rank (only owned rows are meaningful).
-        owner: int64 ``[N]``, the rank holding each row. group: the group of the slices.
+        owner: int64 ``[N]`` on x's device, the rank holding each row. group: the group of the slices.
 
     Returns:
         ``[N, ...]``. The gradient of a loss on it reaches ``x`` on the owner only, summed over every
         rank's use (each rank adding its share of a loss term gives the single-process gradient).
     """
     gathered = gather_from_ranks(x, group)
-    return gathered[owner.to(x.device), torch.arange(x.shape[0], device=x.device)]
+    # a gather along the rank dim (no index tensor built on the host per call)
+    index = owner.to(x.device).view(1, -1, *([1] * (x.dim() - 1))).expand(1, *x.shape)
+    return gathered.gather(0, index)[0]
 
 
 def agree_across_groups(groups, digest: torch.Tensor, local_error: BaseException | None, what: str) -> None:

@@ -77,6 +77,47 @@ def pad_for_sp(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None, sp_
     return padded, None, pad_len
 
 
+def pad_cu_seqlens(cu_seqlens: torch.Tensor, max_num_seqs: int) -> torch.Tensor:
+    """Pad packed boundaries to a fixed capacity of ``max_num_seqs`` sequences with empty segments.
+
+    A pack of exactly T tokens whose ``cu_seqlens`` always holds ``max_num_seqs + 1`` entries has fixed
+    shapes whatever its number of documents: the form a CUDA graph captured once can replay over every
+    packing (``static_cu.copy_(pad_cu_seqlens(cu, n_max))``), and ``torch.compile`` sees one size. The
+    padding repeats ``cu[-1]`` (zero-length segments, legal everywhere in this project): every real
+    sequence keeps its index, and per-sequence outputs (final states) gain rows ``N .. max_num_seqs - 1``
+    for the empty segments (their final state is their initial state, zeros by default).
+
+    Runs on ``cu_seqlens``'s device with no host read (no sync on accelerators): the length check uses
+    only the shape; the values are checked (``check_cu_seqlens``) only where value checks run
+    (always on CPU, on accelerators when validation is switched on).
+
+    Args:
+        cu_seqlens: 1-D int32/int64 ``[N + 1]`` boundaries, ``cu[0] == 0``, non-decreasing.
+        max_num_seqs: the capacity ``N_max`` (positive int), ``N <= N_max``.
+
+    Returns:
+        ``[max_num_seqs + 1]``, same dtype and device: ``cu_seqlens`` followed by ``max_num_seqs - N``
+        copies of ``cu[-1]``; ``cu_seqlens`` itself (same object) when ``N == max_num_seqs``.
+
+    Raises:
+        TypeError: cu_seqlens not a tensor; max_num_seqs not an int.
+        ValueError: cu_seqlens malformed (see ``check_cu_seqlens``); max_num_seqs < 1, or fewer than
+            the N sequences cu_seqlens already holds.
+    """
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int):
+        raise TypeError(f"max_num_seqs must be an int, got {type(max_num_seqs).__name__}")
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    check_cu_seqlens(cu_seqlens, None)
+    n = cu_seqlens.numel() - 1
+    if n > max_num_seqs:
+        raise ValueError(f"cu_seqlens holds N = {n} sequences, more than the capacity max_num_seqs = "
+                         f"{max_num_seqs}; raise max_num_seqs or split the pack")
+    if n == max_num_seqs:
+        return cu_seqlens
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(max_num_seqs - n)])
+
+
 def _check_dim(x: torch.Tensor, dim: int) -> int:
     if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, "
@@ -184,4 +225,4 @@ def gather_sequence(x: torch.Tensor, sp_group, dim: int = 1, grad: str = "slice"
     return _GatherSequence.apply(x, group, size, rank, dim, grad == "sum")
 
 
-__all__ = ["pad_for_sp", "shard_sequence", "gather_sequence"]
+__all__ = ["pad_for_sp", "pad_cu_seqlens", "shard_sequence", "gather_sequence"]

@@ -38,10 +38,10 @@ def test_an_inference_mode_pass_does_not_break_training_on_the_same_cu():
 
 
 def test_dense_pack_made_first_under_inference_mode_still_knows_its_host_values():
-    # _dense_cu keeps its tensor across calls (lru_cache): one made under inference_mode would be an
+    # _dense_cu keeps its tensor across calls (derived_from_sizes): one made under inference_mode would be an
     # inference tensor for good, with nothing recorded for it (no version counter), so every later
     # dense call would read it back from the device (meta: no values to read)
-    ops._dense_cu.cache_clear()
+    ops._DENSE_CU.clear()
     with torch.inference_mode():
         a = ops._dense_cu(3, 7, torch.device("meta"))
         assert cu_cache.host_copy(a).tolist() == [0, 7, 14, 21]
@@ -52,7 +52,7 @@ def test_dense_pack_made_first_under_inference_mode_still_knows_its_host_values(
 def test_dense_pack_host_values_stay_on_the_host_under_a_default_device():
     # torch.set_default_device("cuda") (or `with torch.device(...)`) is common in training scripts: the
     # recorded host values must still be on the CPU, or every host read of them is a device read
-    ops._dense_cu.cache_clear()
+    ops._DENSE_CU.clear()
     with torch.device("meta"):
         a = ops._dense_cu(2, 3, torch.device("meta"))
     host = cu_cache.host_copy(a)

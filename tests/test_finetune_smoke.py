@@ -70,11 +70,16 @@ def test_cp2_losses_equal_single_process_losses(corpus, single, tmp_path):
         assert r["eval_after"] == pytest.approx(single["eval_after"], rel=1e-5)
 
 
-def test_resume_continues_with_the_same_step_count_and_losses(corpus, single, tmp_path):
+def test_resume_continues_with_the_same_step_count_and_losses(corpus, single, tmp_path, capsys):
     first = finetune.run(finetune.parse_args(argv(corpus, str(tmp_path), 1, steps=2)))
     assert first["steps"] == 2
+    capsys.readouterr()
     resumed = finetune.run(finetune.parse_args(argv(corpus, str(tmp_path), 1, "--resume")))
     assert resumed["steps"] == STEPS
+    # the closing summary compares the resumed step (2) with the last one, not step 0
+    assert resumed["resumed_at"] == 2 and resumed["eval_resumed"] == first["eval_after"]
+    assert f"held-out loss {first['eval_after']:.4f} (step 2) -> {resumed['eval_after']:.4f} (step {STEPS})" \
+        in capsys.readouterr().out
     assert resumed["losses"] == pytest.approx(single["losses"], rel=1e-6, abs=0)
     assert resumed["eval_before"] == pytest.approx(single["eval_before"], rel=1e-6)
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]   # the temp file was renamed away
@@ -98,6 +103,28 @@ def test_packing_keeps_documents_apart():
 def test_bad_arguments_raise_value_error(bad, match):
     with pytest.raises(ValueError, match=match):
         finetune.parse_args(bad)
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        finetune.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for shown in ["(default: 40)", "(default: 0.003)", "(default: 256)", "(default: 5)", "(default: 20)"]:
+        assert shown in out, shown
+
+
+@pytest.mark.parametrize("world, extra, flag", [("2", ["--sp", "2"], "--sp 2"), ("2", [], "--sp 2"),
+                                                ("4", ["--cp", "4", "--sp", "1"], "--cp 4")])
+def test_seq_len_not_divisible_by_the_split_is_refused_in_argument_parsing(monkeypatch, world, extra, flag):
+    monkeypatch.setenv("WORLD_SIZE", world)   # as torchrun sets it
+    with pytest.raises(ValueError, match=f"--seq-len 255 must be divisible by {flag}"):
+        finetune.parse_args(["--seq-len", "255", *extra])
+    assert finetune.parse_args(["--seq-len", "256", *extra]).seq_len == 256
+
+
+def test_only_the_lead_rank_shows_a_progress_bar():
+    assert not finetune.progress_bar(0, 3, lead=True).disable
+    assert finetune.progress_bar(0, 3, lead=False).disable
 
 
 def test_a_tiny_smoke_run_writes_its_own_folder_by_default():
@@ -131,3 +158,10 @@ def test_gdn_from_attention_maps_smollm2_heads_as_documented():
     assert torch.equal(k, heads(attn.k_proj.weight, [0, 0, 1, 2]))
     assert torch.equal(v, heads(attn.v_proj.weight, [0, 0, 0, 1, 1, 1, 2, 2]))
     assert torch.equal(gdn.out_proj.weight.detach(), attn.o_proj.weight.detach()[:, :8 * d])
+
+
+@pytest.mark.parametrize("sp, cp, flag", [(2, 1, "--sp 2"), (None, 2, "--cp 2")])
+def test_a_split_larger_than_the_world_names_the_flag_given(monkeypatch, sp, cp, flag):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match=flag):
+        finetune.setup_distributed(sp, "cpu", cp=cp)
