@@ -67,19 +67,25 @@ def check_inputs(layer, x, cu_seqlens, state, output_state, token_order=None):
     try:
         cu = check_local(layer, x, cu_seqlens, state, output_state)
         held = prepare_token_order(layer, token_order, x, cu)
-    except (TypeError, ValueError) as e:
-        error = e
+    except Exception as e:   # noqa: BLE001 - whatever a malformed input raises must reach the agreement
+        error = e            # below (re-raised as it is), or the other ranks would wait in it
     # Whether ranks compare notes must not depend on this rank's input (a bad input on one rank
     # would skip the collective the others wait in): decide by the parameters' device.
     if layer.sp_size * layer.cp_size > 1 and values_checkable(layer.A_log):
-        # the digest reads cu_seqlens on the host: only when value checks are on
-        state_part = [] if state is None else [
-            DTYPE_CODE.get(state.conv_state.dtype, 99), DTYPE_CODE.get(state.recurrent_state.dtype, 99),
-            bits_fingerprint([state.conv_state, state.recurrent_state])]
-        digest = digest_of(-1) if error is not None else digest_of(
-            *x.shape, DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
-            *([] if cu is None else [cu.cpu()]), weights_fingerprint(layer), *state_part,
-            None if held is None else held.order.cpu())
+        # the digest reads cu_seqlens on the host: only when value checks are on, and only of inputs
+        # that passed the local checks (a malformed one is this rank's error)
+        digest = digest_of(-1)
+        if error is None:
+            try:
+                state_part = [] if state is None else [
+                    DTYPE_CODE.get(state.conv_state.dtype, 99), DTYPE_CODE.get(state.recurrent_state.dtype, 99),
+                    bits_fingerprint([state.conv_state, state.recurrent_state])]
+                digest = digest_of(
+                    *x.shape, DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
+                    *([] if cu is None else [cu.cpu()]), weights_fingerprint(layer), *state_part,
+                    None if held is None else held.order.cpu())
+            except Exception as e:   # noqa: BLE001
+                error = e
         agree_across_groups((layer.sp_group, layer.cp_group), digest, error,
                             "hidden_states shape/dtype, cu_seqlens, token_order, the state (presence, "
                             "dtype, values) and the layer's weights")
@@ -94,7 +100,9 @@ def weights_fingerprint(layer) -> torch.Tensor:
     ``reduce_sp_grads``, which would otherwise give silently wrong results. Integer sums are exact:
     no summation order or thread count changes them (a float sum's rounding does). One pass over
     the weights, no copy."""
-    return bits_fingerprint(list(layer.parameters()))
+    # parameters on meta (an accelerate offload hook restores them only around their module's own
+    # forward) have no values to compare; the layer's own A_log and dt_bias are always there
+    return bits_fingerprint([p for p in layer.parameters() if p.device.type != "meta"])
 
 def check_local(layer, x, cu_seqlens, state, output_state):
     if not isinstance(x, torch.Tensor):

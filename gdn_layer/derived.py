@@ -25,8 +25,9 @@ so a fix to the rule reaches all of them. The rule:
   checked by value like any CPU tensor.
 - **Nothing is kept** while ``torch.compile`` traces or during a CUDA graph capture (what is built then
   lives in the graph's memory pool, which a replay may overwrite).
-- **Bounded:** at most ``MAX_ENTRIES`` source tensors, least recently used dropped first (a caller holding
-  many packs alive does not also hold what was derived from each).
+- **Bounded:** at most ``MAX_ENTRIES`` source tensors and ``MAX_VALUES_PER_ENTRY`` values per source, least
+  recently used dropped first (a caller holding many packs alive does not also hold what was derived from
+  each; a source reused with ever new other inputs does not pile up values).
 
 Treat what is returned as read-only. docs/kernels.md ("What is cached between calls") states the rule for
 users.
@@ -41,6 +42,9 @@ from typing import Any, Callable, Hashable
 import torch
 
 MAX_ENTRIES = 64
+# values kept per source tensor (least recently used dropped): a source reused with ever new other
+# inputs (one token_order tensor with a new cu_seqlens each step) must not pile up values either
+MAX_VALUES_PER_ENTRY = 16
 
 # id(source) -> _Entry, least recently used first
 _CACHE: OrderedDict[int, "_Entry"] = OrderedDict()
@@ -51,7 +55,7 @@ class _Entry:
     __slots__ = ("ref", "signature", "snapshot", "values")
 
     def __init__(self, ref, signature, snapshot):
-        self.ref, self.signature, self.snapshot, self.values = ref, signature, snapshot, {}
+        self.ref, self.signature, self.snapshot, self.values = ref, signature, snapshot, OrderedDict()
 
 
 def _version(t: torch.Tensor):
@@ -130,11 +134,15 @@ def derived(source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> An
     with _LOCK:
         values = _entry_for(source).values
         if key in values:
+            values.move_to_end(key)
             return values[key]
     with torch.inference_mode(False):
         value = build()
     with _LOCK:
-        return values.setdefault(key, value)
+        value = values.setdefault(key, value)
+        while len(values) > MAX_VALUES_PER_ENTRY:
+            values.popitem(last=False)
+        return value
 
 
 def remember(source: torch.Tensor, key: Hashable, value: Any) -> None:
@@ -171,4 +179,4 @@ def clear() -> None:
         _CACHE.clear()
 
 
-__all__ = ["derived", "remember", "derived_from_sizes", "capturing", "clear", "MAX_ENTRIES"]
+__all__ = ["derived", "remember", "derived_from_sizes", "capturing", "clear", "MAX_ENTRIES", "MAX_VALUES_PER_ENTRY"]

@@ -45,6 +45,10 @@ def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group
                  cp_group=cp_group)
 
 
+# GatedDeltaNet.forward's own arguments: never silently dropped when they reach the transformers interface
+_LAYER_ONLY_ARGS = ("token_order", "state", "output_state")
+
+
 class HFGatedDeltaNet(GatedDeltaNet):
     """A ``GatedDeltaNet`` that speaks transformers' block interface (used by ``swap_gated_deltanet``).
 
@@ -74,6 +78,11 @@ class HFGatedDeltaNet(GatedDeltaNet):
         seq_idx = kwargs.pop("seq_idx", None)
         position_ids = kwargs.pop(POSITION_KEY, kwargs.pop("position_ids", None))
         mask_given = kwargs.pop(MASK_GIVEN_KEY, False) or attention_mask is not None
+        for name in _LAYER_ONLY_ARGS:
+            if name in kwargs:
+                raise TypeError(f"{name} is an argument of gdn_layer.GatedDeltaNet.forward, which the transformers "
+                                f"block interface does not take (its state lives in the model's cache): call the "
+                                f"GatedDeltaNet directly for {name}")
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if mask is not None:
             hidden_states = (hidden_states * mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)

@@ -69,6 +69,9 @@ def prepare_token_order(layer, token_order, x: torch.Tensor, cu: torch.Tensor | 
     C = layer.cp_size
     T = x.shape[1] * layer.sp_size * C
     check_token_order(token_order, T, x.device, check_values=False)  # shape and dtype: every call
+    if T == 0 and C > 1:
+        raise ValueError("token_order was given for an empty pack (T = 0) under cp_group: there is nothing to "
+                         "order; pass token_order=None")
     check = C > 1 or values_checkable(token_order)
     cu_host = None if C == 1 else tuple(int(v) for v in host_copy(cu).tolist())
     key = ("gdn_layer.token_order", T, cu_host, C, layer.cp_rank, layer.conv_kernel_size - 1, x.device, check)

@@ -96,7 +96,7 @@ def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
 def _run_jobs(layer, dtype, jobs) -> None:
     from gdn_layer.state import GDNState  # the layer's own state type; imported here to keep kernels/ standalone
 
-    p = next(layer.parameters())
+    p = layer.out_proj.weight    # the activations' dtype (A_log, dt_bias may be kept in fp32)
     device, P = p.device, layer.sp_size * getattr(layer, "cp_size", 1)    # ranks a pack is sliced over
     params = [q for q in layer.parameters() if q.requires_grad]
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != p.dtype
@@ -155,7 +155,7 @@ def _cuda_devices(device: torch.device) -> list[int]:
 
 def _spec(layer, dtype) -> dict | None:
     """What a child process needs to rebuild this layer's kernels, or None when it cannot."""
-    p = next(layer.parameters())
+    p = layer.out_proj.weight    # the activations' dtype (A_log, dt_bias may be kept in fp32)
     if (p.device.type != "cuda" or layer.sp_size != 1 or getattr(layer, "cp_size", 1) != 1
             or layer.resolved_backend not in _CHILD_BACKENDS):
         return None
@@ -163,6 +163,9 @@ def _spec(layer, dtype) -> dict | None:
             "kwargs": {"conv_kernel_size": layer.conv_kernel_size, "norm_eps": layer.norm.eps,
                        "projection_layout": layer.projection_layout, "backend": layer.resolved_backend},
             "param_dtype": str(p.dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
+            # parameters kept in another dtype (fp32 A_log / norm weight in a bf16 model): their own kernels
+            "other_dtypes": {n: str(q.dtype).removeprefix("torch.") for n, q in layer.named_parameters()
+                             if q.dtype != p.dtype},
             "device": f"cuda:{_cuda_devices(p.device)[0]}"}
 
 
@@ -239,6 +242,9 @@ def _child_main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     layer = GatedDeltaNet(*spec["args"], **spec["kwargs"], device=device, dtype=getattr(torch, spec["param_dtype"]))
+    for name, dt in spec.get("other_dtypes", {}).items():
+        q = layer.get_parameter(name)
+        q.data = q.data.to(getattr(torch, dt))
     _run_jobs(layer, getattr(torch, spec["dtype"]), [tuple(j) for j in spec["jobs"]])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -284,7 +290,7 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
         raise TypeError(f"workers must be an int or None, got {type(workers).__name__}")
     if workers is not None and workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
-    p = next(layer.parameters())
+    p = layer.out_proj.weight    # the activations' dtype (A_log, dt_bias may be kept in fp32)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
     dtype = dtype or p.dtype

@@ -75,7 +75,7 @@ def _buffer_device(group, preferred: torch.device) -> torch.device:
 
 
 def agree_across_ranks(group, digest: torch.Tensor, local_error: BaseException | None, what: str,
-                       *, device: torch.device | str | None = None) -> None:
+                       *, device: torch.device | str | None = None, name: str = "SP") -> None:
     """One small all-reduce so that every rank of ``group`` raises if any rank failed or inputs differ.
 
     Args:
@@ -84,6 +84,7 @@ def agree_across_ranks(group, digest: torch.Tensor, local_error: BaseException |
             malformed digest is reported as this rank's local error (never a mismatched collective).
         local_error: the exception this rank's own validation raised (caught by the caller), or None.
         what: names the compared inputs for the message, e.g. ``"cu_seqlens and shapes"``.
+        name: how the messages call the group (``"SP"``, ``"CP"``); ranks are named by their global rank.
         device: where the reduction buffer lives; must suit the group's backend. Default:
             ``digest.device`` if the group's backend handles that device type (gloo: CPU), else the
             current device of the backend's accelerator (NCCL: the current CUDA device).
@@ -127,14 +128,16 @@ def agree_across_ranks(group, digest: torch.Tensor, local_error: BaseException |
     failed = [r for r in range(size) if int(buf[r]) != 0]
     if local_error is not None:
         raise local_error
+    members = dist.get_process_group_ranks(group)     # global ranks, as a user's launcher numbers them
     if failed:
-        raise ValueError(f"rank(s) {failed} of the SP group failed input validation (see the error on "
-                         f"those ranks); rank {rank} raises too so no rank waits in a collective")
+        raise ValueError(f"global rank(s) {[members[r] for r in failed]} of the {name} group failed input "
+                         f"validation (see the error on those ranks); global rank {members[rank]} raises too so "
+                         "no rank waits in a collective")
     hi, neg_lo = buf[size:size + DIGEST_LEN], buf[size + DIGEST_LEN:]
     if not torch.equal(hi, -neg_lo):
-        raise ValueError(f"{what} differ across the SP ranks (seen from rank {rank}): at least one of them "
-                         "does (one digest covers them all, so which one is not known here); every rank of "
-                         "the SP group must pass identical values")
+        raise ValueError(f"{what} differ across the {name} ranks (seen from global rank {members[rank]}): at least "
+                         f"one of them does (one digest covers them all, so which one is not known here); every "
+                         f"rank of the {name} group must pass identical values")
 
 
 __all__ = ["DIGEST_LEN", "agree_across_ranks", "digest_of"]

@@ -175,13 +175,15 @@ def select_owned(x: torch.Tensor, owner: torch.Tensor, group) -> torch.Tensor:
     return gathered.gather(0, index)[0]
 
 
-def agree_across_groups(groups, digest: torch.Tensor, local_error: BaseException | None, what: str) -> None:
+def agree_across_groups(groups, digest: torch.Tensor, local_error: BaseException | None, what: str,
+                        names=None) -> None:
     """``agree_across_ranks`` over each group of a mesh in turn, so every rank of the mesh raises together.
 
     Args:
         groups: the groups whose product is the mesh (e.g. ``(sp_group, cp_group)``); None or size-1
             entries are skipped.
         digest, local_error, what: as for ``agree_across_ranks``.
+        names: how the messages call each group (default ``"SP"``, ``"CP"``, ... in order).
 
     A rank's verdict from one group feeds the next as its local error: after the first group every rank
     of an sp group knows whether any of them failed, after the second every rank that shares a cp group
@@ -192,12 +194,13 @@ def agree_across_groups(groups, digest: torch.Tensor, local_error: BaseException
         as ``agree_across_ranks``, on every rank of the mesh.
     """
     error = local_error
-    for group in groups:
+    names = list(names) if names is not None else ["SP", "CP", "group 3", "group 4"][:len(groups)]
+    for group, name in zip(groups, names):
         if resolve_sp_group(group)[1] == 1:
             continue
         try:
-            agree_across_ranks(group, digest, error, what)
-        except (TypeError, ValueError) as e:
+            agree_across_ranks(group, digest, error, what, name=name)
+        except Exception as e:   # noqa: BLE001 - a rank's own error of any type goes on to the next group
             error = e
     if error is not None:
         raise error

@@ -137,3 +137,14 @@ def test_packed_positions_with_a_mask_or_a_cache_are_not_a_pack_as_in_transforme
         packed = swapped(ids, position_ids=pos, use_cache=False).logits     # no mask, no cache: a pack
     assert rel_err(got, want) <= 1e-5
     assert rel_err(packed, want) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["token_order", "state", "output_state"])
+def test_the_layers_own_arguments_are_refused_by_the_transformers_interface_never_dropped(qwen35_pair, name):
+    from gdn_layer.hf import HFGatedDeltaNet
+    _, swapped = qwen35_pair
+    block = next(m for m in swapped.modules() if isinstance(m, HFGatedDeltaNet))
+    x = torch.randn(1, 6, block.hidden_size)
+    value = {"token_order": torch.arange(6).flip(0), "state": None, "output_state": True}[name]
+    with pytest.raises(TypeError, match=name):
+        block(x, **{name: value})

@@ -228,3 +228,45 @@ def test_layer_module_reads_as_the_block():
     import gdn_layer.layer
     assert len(pathlib.Path(gdn_layer.layer.__file__).read_text().splitlines()) <= 400
     copy.deepcopy(_layer())   # still a plain module
+
+
+# ------------------------------------------------------------------------------------------------
+# what a malformed input on one rank raises must reach the agreement step (found by the breaker)
+
+def _malformed_on_one_rank(rank, world, case):
+    from gdn_layer import GDNState
+    from gdn_layer.parallel import head_tail_order
+    kw = {"cp_group": dist.group.WORLD} if case.startswith("cp") else {"sp_group": dist.group.WORLD}
+    layer = GatedDeltaNet(*SIZES, **kw)
+    layer.load_state_dict(_layer().state_dict())
+    x = torch.randn(1, CU[-1] // world, SIZES[0], generator=torch.Generator().manual_seed(1))
+    args = {"cu_seqlens": torch.tensor(CU)}
+    if case.endswith("state") and rank == 1:
+        args["state"] = (torch.zeros(2), torch.zeros(2)) if case == "sp tuple state" else GDNState(None, None)
+    if case == "cp empty token_order":
+        x, args = x[:, :0], {"token_order": head_tail_order(0, world) if rank == 0 else torch.zeros(0)}
+    try:
+        layer(x, **args)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", ["sp tuple state", "cp GDNState(None, None) state", "cp empty token_order"])
+def test_a_malformed_input_on_one_rank_raises_on_every_rank_together(pool2, case):
+    results = pool2.run(_malformed_on_one_rank, case, timeout=60)
+    assert all(r is not None for r in results), results
+    if case.endswith("state"):
+        assert results[1][0] == "TypeError" and "state" in results[1][1]
+        assert "global rank(s) [1]" in results[0][1] and ("CP group" if case.startswith("cp") else "SP group") in results[0][1]
+    else:
+        assert all("token_order" in r[1] or "rank(s)" in r[1] for r in results)
+
+
+def test_one_source_reused_with_ever_new_keys_keeps_a_bounded_number_of_values():
+    from gdn_layer import derived as rule
+    src = torch.arange(10)
+    for i in range(5 * rule.MAX_VALUES_PER_ENTRY):
+        rule.derived(src, ("step", i), lambda: torch.zeros(1000))
+    assert len(rule._CACHE[id(src)].values) == rule.MAX_VALUES_PER_ENTRY
+    assert rule.derived(src, ("step", 5 * rule.MAX_VALUES_PER_ENTRY - 1), lambda: None) is not None  # recent: kept
