@@ -56,20 +56,31 @@ def cp_token_mix(layer, mixed: torch.Tensor, cu: torch.Tensor, state, output_sta
         token, the same on every cp rank) or None without ``output_state``.
     """
     plan = slice_plan(cu, layer.cp_size, layer.cp_rank)
-    conv0 = _conv_initial_state(layer, mixed, plan, state)
+    return mix_planned(layer, mixed, plan, state, output_state, _conv_initial_state, _recurrent_initial_state)
+
+
+def mix_planned(layer, mixed, plan, state, output_state: bool, conv_initial_state, recurrent_initial_state,
+                rows=None):
+    """Conv, gate and delta rule of this cp rank's local pack ``plan.cu_local``, from the initial states
+    the two callbacks build (``(layer, mixed, plan, state)`` -> conv state; ``(layer, (q, k, v, g, beta),
+    plan, state)`` -> recurrent state), then, with ``output_state``, each sequence's final state from the
+    rank that owns it (``plan.owner``; ``rows`` picks the local rows that stand for the sequences first).
+    Shared by contiguous slices (``cp_token_mix``) and fragments of a load-balanced order
+    (``gdn_layer.token_order.fragment_token_mix``). Same collectives, in the same order, on every rank."""
+    conv0 = conv_initial_state(layer, mixed, plan, state)
     q, k, v, a, b, conv_state = layer._conv(mixed, plan.cu_local, conv0, output_state)
     g, beta = layer._gate(a, b)
-    S0 = _recurrent_initial_state(layer, (q, k, v, g, beta), plan, state)
+    S0 = recurrent_initial_state(layer, (q, k, v, g, beta), plan, state)
     o, recurrent_state = layer._delta_rule(q, k, v, g, beta, plan.cu_local, S0, output_state)
     if not output_state:
         return o, None, None
     # one collective for both states: the owner's rows, on every rank
     dt = torch.promote_types(conv_state.dtype, recurrent_state.dtype)
     both = torch.cat([conv_state.to(dt).flatten(1), recurrent_state.to(dt).flatten(1)], 1)
-    both = select_owned(both, plan.owner, layer.cp_group)
-    n_conv = conv_state[0].numel()
-    return (o, both[:, :n_conv].reshape(conv_state.shape).to(conv_state.dtype),
-            both[:, n_conv:].reshape(recurrent_state.shape).to(recurrent_state.dtype))
+    both = select_owned(both if rows is None else both.index_select(0, rows), plan.owner, layer.cp_group)
+    n_conv, N = conv_state[0].numel(), plan.owner.numel()
+    return (o, both[:, :n_conv].reshape(N, *conv_state.shape[1:]).to(conv_state.dtype),
+            both[:, n_conv:].reshape(N, *recurrent_state.shape[1:]).to(recurrent_state.dtype))
 
 
 def slice_plan(cu: torch.Tensor, size: int, rank: int):

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gdn_layer.context_parallel import _state_dtype, _tie
+from gdn_layer.context_parallel import _state_dtype, _tie, mix_planned
 from gdn_layer.kernels import chunk_gated_delta_rule
 from gdn_layer.kernels.cu_cache import derived, host_copy
 from gdn_layer.kernels.validation import values_checkable
-from gdn_layer.parallel.context import gather_from_ranks, select_owned
+from gdn_layer.parallel.context import gather_from_ranks
 from gdn_layer.parallel.fragments import (FragmentPlan, compose_chains, count_fragments, max_fragments_per_rank,
                                           plan_fragments)
 from gdn_layer.parallel.token_order import check_token_order
@@ -119,20 +119,8 @@ def fragment_token_mix(layer, mixed: torch.Tensor, state, output_state: bool, pl
         taken from the rank holding each sequence's last token (the same on every cp rank), or None
         without ``output_state``. Same collectives, in the same order, on every rank.
     """
-    conv0 = _conv_initial_state(layer, mixed, plan, state)
-    q, k, v, a, b, conv_state = layer._conv(mixed, plan.cu_local, conv0, output_state)
-    g, beta = layer._gate(a, b)
-    S0 = _recurrent_initial_state(layer, (q, k, v, g, beta), plan, state)
-    o, recurrent_state = layer._delta_rule(q, k, v, g, beta, plan.cu_local, S0, output_state)
-    if not output_state:
-        return o, None, None
-    dt = torch.promote_types(conv_state.dtype, recurrent_state.dtype)
-    both = torch.cat([conv_state.to(dt).flatten(1), recurrent_state.to(dt).flatten(1)], 1)
-    both = select_owned(both.index_select(0, plan.owned_piece), plan.owner, layer.cp_group)
-    n_conv = conv_state[0].numel()
-    N = plan.owner.numel()
-    return (o, both[:, :n_conv].reshape(N, *conv_state.shape[1:]).to(conv_state.dtype),
-            both[:, n_conv:].reshape(N, *recurrent_state.shape[1:]).to(recurrent_state.dtype))
+    return mix_planned(layer, mixed, plan, state, output_state, _conv_initial_state, _recurrent_initial_state,
+                       rows=plan.owned_piece)
 
 
 def _conv_initial_state(layer, mixed, plan, state):
