@@ -61,11 +61,28 @@ def _plan_gather(idx):
     return seq_to_head(x, idx, None).tolist()
 
 
+def _cp_slice(cu):
+    from gdn_layer.context_parallel import slice_plan
+    plan = slice_plan(check_cu_seqlens(cu, T), 2, 1)
+    return plan.cu_local.tolist(), plan.owner.tolist(), plan.incoming
+
+
+def _cp_slice_expected(v):
+    """Rank 1 of 2 holds tokens 6..11: local boundaries clamp(cu - 6, 0, 6); each sequence's owner is the
+    rank holding its last token (an empty one: the rank holding its position); the sequence that started
+    before token 6 and has tokens after it, if any."""
+    cu = [int(c) for c in v]
+    owner = [(cu[n + 1] - 1) // 6 if cu[n + 1] > cu[n] else min(cu[n] // 6, 1) for n in range(len(cu) - 1)]
+    incoming = next((n for n in range(len(cu) - 1) if cu[n] < 6 < cu[n + 1]), -1)
+    return [min(max(c - 6, 0), 6) for c in cu], owner, incoming
+
+
 # cache name -> (first values, next values, what the code gives for a tensor, the independent expectation)
 CACHES = {
     "cu_seqlens int64 copy": ([0, 3, 7, 12], [0, 6, 6, 12], _cu_int64, lambda v: v.tolist()),
     "conv sequence index": ([0, 3, 7, 12], [0, 1, 11, 12], _conv_index,
                             lambda v: (torch.searchsorted(v.long(), torch.arange(T), right=True) - 1).tolist()),
+    "cp slice plan": ([0, 3, 7, 12], [0, 6, 6, 12], _cp_slice, _cp_slice_expected),
     "all-to-all plan": ([[0, 1, 2, 5]], [[4, 3, 0, 1]], _plan_gather,
                         lambda v: torch.arange(36.).reshape(2, 3, 6).index_select(-1, v[0]).tolist()),
 }
