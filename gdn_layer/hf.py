@@ -46,7 +46,7 @@ def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group
 
 
 # GatedDeltaNet.forward's own arguments: never silently dropped when they reach the transformers interface
-_LAYER_ONLY_ARGS = ("token_order", "state", "output_state")
+_LAYER_ONLY_ARGS = {"token_order": None, "state": None, "output_state": False}
 
 
 class HFGatedDeltaNet(GatedDeltaNet):
@@ -78,8 +78,8 @@ class HFGatedDeltaNet(GatedDeltaNet):
         seq_idx = kwargs.pop("seq_idx", None)
         position_ids = kwargs.pop(POSITION_KEY, kwargs.pop("position_ids", None))
         mask_given = kwargs.pop(MASK_GIVEN_KEY, False) or attention_mask is not None
-        for name in _LAYER_ONLY_ARGS:
-            if name in kwargs:
+        for name, default in _LAYER_ONLY_ARGS.items():
+            if name in kwargs and kwargs.pop(name) is not default:
                 raise TypeError(f"{name} is an argument of gdn_layer.GatedDeltaNet.forward, which the transformers "
                                 f"block interface does not take (its state lives in the model's cache): call the "
                                 f"GatedDeltaNet directly for {name}")

@@ -18,7 +18,7 @@ from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import (gather_heads, head_to_seq, partition_heads, project_seq_to_head, resolve_sp_group,
                                 seq_to_head)
 from gdn_layer.projection_layouts import load_either_layout
-from gdn_layer.state import GDNState
+from gdn_layer.state import GDNState, state_for_autograd
 from gdn_layer.token_order import fragment_token_mix, to_held_order, to_original_order
 from gdn_layer.submodules import conv_weight
 
@@ -228,6 +228,7 @@ class GatedDeltaNet(nn.Module):
             with value checks on, every rank raises together after one small all-reduce).
         """
         cu, held = check_inputs(self, hidden_states, cu_seqlens, state, output_state, token_order)
+        state = state_for_autograd(state)
         # pre-conv [q | k | v | a | b] of this rank's heads for every token (under SP the all-to-all is
         # inside: the projection writes its send buffer), and the output gate z of the local tokens;
         # with token_order, put in original order (gdn_layer/token_order.py)

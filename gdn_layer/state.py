@@ -64,3 +64,15 @@ def check_state(state, num_sequences: int, conv_dim: int, kernel_size: int, num_
                             f"(float32 unless the activations are float64), got {t.dtype}")
         if t.device != device:
             raise ValueError(f"state.{name} is on {t.device} but hidden_states is on {device}")
+
+
+def state_for_autograd(state: "GDNState | None") -> "GDNState | None":
+    """``state`` as it may enter a computation autograd records: a state made under
+    ``torch.inference_mode`` (an eval or prefill pass) holds inference tensors, which autograd cannot
+    save, so outside inference mode they are copied (the same on every rank: no rank fails alone later,
+    deep in a collective). Any other state, and every state under inference mode or a trace, as is."""
+    if state is None or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return state
+    if not (state.conv_state.is_inference() or state.recurrent_state.is_inference()):
+        return state
+    return GDNState(state.conv_state.clone(), state.recurrent_state.clone())

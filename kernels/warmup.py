@@ -94,7 +94,11 @@ def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
 
 
 def _run_jobs(layer, dtype, jobs) -> None:
-    from gdn_layer.state import GDNState  # the layer's own state type; imported here to keep kernels/ standalone
+    from gdn_layer.layer import GatedDeltaNet  # imported here to keep kernels/ standalone
+    from gdn_layer.state import GDNState
+    # the layer's own forward: a transformers-interface subclass (gdn_layer.hf) takes the model's cache
+    # instead of state / output_state, but runs the same kernels
+    forward = GatedDeltaNet.forward if isinstance(layer, GatedDeltaNet) else type(layer).__call__
 
     p = layer.out_proj.weight    # the activations' dtype (A_log, dt_bias may be kept in fp32)
     device, P = p.device, layer.sp_size * getattr(layer, "cp_size", 1)    # ranks a pack is sliced over
@@ -128,7 +132,7 @@ def _run_jobs(layer, dtype, jobs) -> None:
         x = randn(B, T_local, layer.hidden_size, dtype=dtype)
         x.requires_grad_(grad)
         with torch.set_grad_enabled(grad), autocast:
-            res = layer(x, cu_seqlens=cu, state=state(n) if st else None, output_state=out_state)
+            res = forward(layer, x, cu_seqlens=cu, state=state(n) if st else None, output_state=out_state)
             y, new = (res if out_state else (res, None))
             if grad:
                 loss = y.float().square().mean() + (0 if new is None else new.recurrent_state.square().mean())
@@ -242,9 +246,10 @@ def _child_main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     layer = GatedDeltaNet(*spec["args"], **spec["kwargs"], device=device, dtype=getattr(torch, spec["param_dtype"]))
+    params = dict(layer.named_parameters())
     for name, dt in spec.get("other_dtypes", {}).items():
-        q = layer.get_parameter(name)
-        q.data = q.data.to(getattr(torch, dt))
+        if name in params:     # (a subclass's own names, e.g. OLMo-Hybrid's, do not exist here: skipped)
+            params[name].data = params[name].data.to(getattr(torch, dt))
     _run_jobs(layer, getattr(torch, spec["dtype"]), [tuple(j) for j in spec["jobs"]])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
