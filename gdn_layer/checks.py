@@ -79,20 +79,22 @@ def check_inputs(layer, x, cu_seqlens, state, output_state, token_order=None):
             try:
                 state_part = [] if state is None else [
                     DTYPE_CODE.get(state.conv_state.dtype, 99), DTYPE_CODE.get(state.recurrent_state.dtype, 99),
+                    int(state.conv_state.requires_grad), int(state.recurrent_state.requires_grad),
                     bits_fingerprint([state.conv_state, state.recurrent_state])]
                 # grad mode, autocast and whether x needs a gradient too: a rank differing there would
                 # exchange other dtypes or wait in a backward the others never run
                 digest = digest_of(
                     *x.shape, DTYPE_CODE.get(x.dtype, 99), int(state is not None), int(output_state),
-                    int(torch.is_grad_enabled()), int(x.requires_grad),
+                    int(torch.is_grad_enabled()), int(x.requires_grad), int(x.is_inference()),
                     int(x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)),
                     *([] if cu is None else [cu.cpu()]), weights_fingerprint(layer), *state_part,
                     None if held is None else held.order.cpu())
             except Exception as e:   # noqa: BLE001
                 error = e
         agree_across_groups((layer.sp_group, layer.cp_group), digest, error,
-                            "hidden_states shape/dtype, cu_seqlens, token_order, the state (presence, "
-                            "dtype, values) and the layer's weights")
+                            "hidden_states (shape, dtype, requires_grad, inference tensor or not), grad mode "
+                            "and autocast, cu_seqlens, token_order, the state (presence, dtype, values, "
+                            "requires_grad) and the layer's weights")
     if error is not None:
         raise error
     return cu, held

@@ -145,6 +145,16 @@ def test_the_layers_own_arguments_are_refused_by_the_transformers_interface_neve
     _, swapped = qwen35_pair
     block = next(m for m in swapped.modules() if isinstance(m, HFGatedDeltaNet))
     x = torch.randn(1, 6, block.hidden_size)
-    value = {"token_order": torch.arange(6).flip(0), "state": None, "output_state": True}[name]
+    value = {"token_order": torch.arange(6).flip(0), "state": object(), "output_state": True}[name]
     with pytest.raises(TypeError, match=name):
         block(x, **{name: value})
+
+
+def test_the_layers_own_arguments_at_their_defaults_pass_and_warmup_runs_a_swapped_block(qwen35_pair):
+    from gdn_layer.hf import HFGatedDeltaNet
+    from gdn_layer.kernels import warmup
+    _, swapped = qwen35_pair
+    block = next(m for m in swapped.modules() if isinstance(m, HFGatedDeltaNet))
+    x = torch.randn(1, 6, block.hidden_size)
+    torch.testing.assert_close(block(x, token_order=None, state=None, output_state=False), block(x))
+    assert warmup(block) >= 0           # runs through GatedDeltaNet.forward (states included)

@@ -287,3 +287,46 @@ def test_one_source_reused_with_ever_new_keys_keeps_a_bounded_number_of_values()
         rule.derived(src, ("step", i), lambda: torch.zeros(1000))
     assert len(rule._CACHE[id(src)].values) == rule.MAX_VALUES_PER_ENTRY
     assert rule.derived(src, ("step", 5 * rule.MAX_VALUES_PER_ENTRY - 1), lambda: None) is not None  # recent: kept
+
+
+def _state_from_an_inference_pass(rank, world, mode):
+    """Prefill under inference_mode returns a state; a training forward continues from it."""
+    gen = torch.Generator().manual_seed(8)
+    x0, x1 = (torch.randn(1, CU[-1], SIZES[0], generator=gen) for _ in range(2))
+    ref = _layer()
+    with torch.inference_mode():
+        _, st_ref = ref(x0, cu_seqlens=torch.tensor(CU), output_state=True)
+    y_ref = ref(x1, cu_seqlens=torch.tensor(CU), state=st_ref)          # one process: works too
+    y_ref.square().sum().backward()
+    layer = GatedDeltaNet(*SIZES, **{f"{mode}_group": dist.group.WORLD})
+    layer.load_state_dict(ref.state_dict())
+    with torch.inference_mode():
+        _, st = layer(shard_sequence(x0, dist.group.WORLD), cu_seqlens=torch.tensor(CU), output_state=True)
+    y = layer(shard_sequence(x1, dist.group.WORLD), cu_seqlens=torch.tensor(CU), state=st)
+    y.square().sum().backward()
+    reduce_sp_grads(layer, dist.group.WORLD)
+    return (rel_err(gather_sequence(y.detach(), dist.group.WORLD), y_ref.detach()),
+            max(rel_err(p.grad, q.grad) for p, q in zip(layer.parameters(), ref.parameters())))
+
+
+@pytest.mark.parametrize("mode", ["sp", "cp"])
+def test_a_state_made_under_inference_mode_continues_in_training(pool2, mode):
+    for err_y, err_grad in pool2.run(_state_from_an_inference_pass, mode, timeout=60):
+        assert err_y < 1e-5 and err_grad < 1e-5
+
+
+def _grad_mode_on_one_rank(rank, world):
+    layer = GatedDeltaNet(*SIZES, sp_group=dist.group.WORLD)
+    layer.load_state_dict(_layer().state_dict())
+    x = torch.randn(1, CU[-1] // world, SIZES[0], generator=torch.Generator().manual_seed(rank))
+    try:
+        with torch.set_grad_enabled(rank == 0):
+            layer(x, cu_seqlens=torch.tensor(CU))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_grad_mode_differing_on_one_rank_raises_on_every_rank(pool2):
+    for msg in pool2.run(_grad_mode_on_one_rank, timeout=60):
+        assert msg is not None and "grad mode" in msg
