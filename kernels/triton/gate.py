@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._grid import programs
+from ._layout import unit_last
 from ._math import cast_rne, compute_tl_dtype, rne, sigmoid, softplus
 
 # Elements per tile (BLOCK_T * BLOCK_H); read at call time so tests can shrink it to force many tiles.
@@ -119,16 +120,11 @@ def _dtypes(a, b, A_log, dt_bias):
     return g_dt, (tl.float64 if b.dtype == torch.float64 else tl.float32)
 
 
-def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
-    # upstream grads may come expanded (stride 0); only the head dim must be unit-stride
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def gdn_gate_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     """``(g, beta)`` of the gate; inputs already validated (shapes, dtypes, devices, ``stride(-1) == 1``).
 
     Args:
-        a, b: ``[B, T, H]``, any strides on dims 0 and 1 (read in place, never copied).
+        a, b: ``[B, T, H]``, any strides (read in place when the head dim is unit-stride, else copied).
         A_log, dt_bias: ``[H]``, fp32 or bf16 (float64 allowed).
 
     Returns:
@@ -136,7 +132,7 @@ def gdn_gate_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias:
         beta ``[B, T, H]`` contiguous in b's dtype.
     """
     B, T, H = a.shape
-    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()     # [H]: no-ops for parameters
+    a, b, A_log, dt_bias = unit_last(a, b, A_log, dt_bias)     # (no-ops for the layer's own tensors)
     g_dt, beta_dt = _dtypes(a, b, A_log, dt_bias)
     g = torch.empty(B, T, H, dtype=torch.float64 if g_dt == tl.float64 else torch.float32, device=a.device)
     beta = torch.empty(B, T, H, dtype=b.dtype, device=b.device)
@@ -164,7 +160,7 @@ def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias):
         order: deterministic, no atomics.
     """
     B, T, H = a.shape
-    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
+    a, b, A_log, dt_bias = unit_last(a, b, A_log, dt_bias)
     g_dt, beta_dt = _dtypes(a, b, A_log, dt_bias)
     acc_dtype = torch.float64 if g_dt == tl.float64 else torch.float32
     da = torch.empty(B, T, H, dtype=a.dtype, device=a.device)
@@ -177,8 +173,8 @@ def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias):
     if NB > 0:
         has_dg, has_dbeta = dg is not None, dbeta is not None
         # an absent grad's pointer is never read; a and b stand in for it
-        dg = _last_dim_unit(dg) if has_dg else a
-        dbeta = _last_dim_unit(dbeta) if has_dbeta else b
+        dg = unit_last(dg) if has_dg else a          # (upstream grads may come expanded)
+        dbeta = unit_last(dbeta) if has_dbeta else b
         _gate_bwd_kernel[(NB,)](
             dg, dbeta, a, b, A_log, dt_bias, da, db, dA_part, dbias_part, T, N, NB,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),

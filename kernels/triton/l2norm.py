@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._grid import programs
+from ._layout import unit_last
 
 EPS = 1e-6
 BLOCK_M = 16
@@ -56,8 +57,6 @@ def _l2norm_bwd_kernel(x, dy, dx, M, T, H, stride_b, stride_t, stride_h, eps,
 
 
 def _launch_args(x: torch.Tensor):
-    if x.stride(-1) != 1:
-        raise ValueError("l2norm needs x.stride(-1) == 1")
     B, T, H, D = x.shape
     M = B * T * H
     return M, T, H, x.stride(0), x.stride(1), x.stride(2), D, triton.next_power_of_2(D)
@@ -68,6 +67,7 @@ def l2norm_fwd(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     computed in torch, as the kernel's math is fp32)."""
     if x.dtype == torch.float64:
         return (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)).contiguous()
+    x = unit_last(x)
     M, T, H, sb, st, sh, D, BD = _launch_args(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if M:
@@ -81,8 +81,9 @@ def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float = EPS) -> torch.Ten
         rstd = torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
         y = x * rstd
         return ((dy - (dy * y).sum(-1, keepdim=True) * y) * rstd).contiguous()
+    x = unit_last(x)
     M, T, H, sb, st, sh, D, BD = _launch_args(x)
-    dy = dy.contiguous()
+    dy = dy.contiguous()   # (read with contiguous row offsets)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if M:
         _l2norm_bwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](x, dy, dx, M, T, H, sb, st, sh, eps, D=D, BD=BD, BLOCK=BLOCK_M)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._grid import programs
+from ._layout import unit_last
 from ._math import cast_rne, compute_tl_dtype, rne, sigmoid, tl_dtype
 
 MAX_D = 1024
@@ -116,8 +117,7 @@ def _norm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_part, N, NB, stride_dy, strid
 
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
     """``[..., D]`` as ``[M, D]`` with a row stride: a view when the strides allow, else a copy."""
-    t2 = t.reshape(-1, D)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    return unit_last(t.reshape(-1, D))
 
 
 def _dtypes(x, weight):
