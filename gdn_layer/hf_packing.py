@@ -70,9 +70,9 @@ def packed_cu_seqlens(ids: torch.Tensor, is_seq_idx: bool, batch: int, length: i
     Inference tensors on an accelerator are never kept (read once per layer); CPU ones are, by value.
     """
     name = "seq_idx" if is_seq_idx else "position_ids"
-    check_ids(ids, name, batch, length)
+    rows = check_ids(ids, name, batch, length)
     return derived(ids, ("gdn_hf_packed_cu", name, batch, length),
-                   lambda: _starts_to_cu(_row_starts(check_ids(ids, name, batch, length), is_seq_idx)))
+                   lambda: _starts_to_cu(_row_starts(rows, is_seq_idx)))
 
 
 # --------------------------------------------------------------------------------------------------
