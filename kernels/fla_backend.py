@@ -12,8 +12,11 @@ kernel (``triton/l2norm.py``): fla's buckets the row count into a compile-time a
 Backward recomputes the cheap chunk-local parts (gate cumsum, the WY/UT ``A`` matrices, the L2 norm)
 from the inputs instead of keeping them: only the op's inputs are saved for backward.
 
-Costs one device->host read of ``cu_seqlens`` per ``cu_seqlens`` tensor (fla sizes its chunk grid on
-the host; ``cu_cache`` keeps the index for the next layers and the backward).
+Reads nothing on the host: fla's chunk index (which sequence and which of its chunks each program of
+a chunk kernel runs) is built on the device at the pack's *capacity* (``chunk_index``), so one packed
+length T and one sequence count N give one grid whatever the lengths are. That is what lets a CUDA
+graph captured on one packing replay any other of the same capacity (docs/performance.md, "CUDA
+graphs"), and an eager step never waits for the GPU to drain.
 fla-core is imported lazily: this module imports anywhere.
 """
 from __future__ import annotations
@@ -47,16 +50,43 @@ def available(device: torch.device) -> tuple[bool, str]:
     return fla_importable()
 
 
-def _varlen(cu):
-    """fla's chunk index for packed sequences, or None for a dense batch: built once per ``cu`` tensor
-    (``cu_cache``; one host read of ``cu`` the first time), reused by every layer and the backward."""
+def chunk_index(cu: torch.Tensor, total_len: int, chunk: int = CHUNK) -> torch.Tensor:
+    """fla's chunk index for a pack, built on ``cu``'s device with shapes fixed by ``(total_len, N)`` alone.
+
+    Args:
+        cu: ``[N + 1]`` integer ``cu_seqlens`` (non-decreasing, ``cu[0] == 0``, ``cu[-1] == total_len``;
+            empty segments allowed) on any device. Its values are never read on the host.
+        total_len: T, the packed length (a Python int: a shape, not a value).
+        chunk: fla's chunk size BT.
+
+    Returns:
+        ``[cap, 2]`` int64 on ``cu``'s device, ``cap = (T + (BT - 1) * N) // BT`` (0 when T == 0): the most
+        chunks N sequences of T tokens in total can have. Row ``j < real`` is ``(sequence, chunk within
+        it)`` in pack order, the rows of ``fla.ops.utils.index.prepare_chunk_indices``; each row after them
+        names the LAST sequence with a chunk number past its end. fla's GDN chunk kernels mask every load
+        and store of such a program by the sequence length (``o_t < T``), so it writes nothing; its only
+        unmasked read is the sequence's last token (``bos + T - 1``), in bounds because the last
+        sequence ends at T > 0. (fla's own ``prepare_chunk_indices_static`` marks padding with sequence
+        -1, which only its KDA kernels check for.) Cost: at most N more programs per chunk kernel than
+        the exact index, each a chunk of masked work.
+    """
+    n = cu.numel() - 1
+    cap = (total_len + (chunk - 1) * n) // chunk if total_len > 0 else 0
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    counts = (lens + (chunk - 1)).div(chunk, rounding_mode="floor")
+    ends = counts.cumsum(0)
+    slots = torch.arange(cap, device=cu.device, dtype=torch.int64)
+    seq = torch.searchsorted(ends, slots, right=True).clamp_(max=max(n - 1, 0))
+    return torch.stack([seq, slots - (ends - counts)[seq]], 1)
+
+
+def _varlen(cu, total_len):
+    """fla's chunk index for packed sequences (``chunk_index``), or None for a dense batch: built once
+    per ``cu`` tensor and length (``cu_cache``; inside a CUDA graph capture, in the graph), reused by
+    every layer and the backward."""
     if cu is None:
         return None
-
-    def build():
-        from fla.ops.utils.index import prepare_chunk_indices
-        return prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cache.host_copy(cu))
-    return cu_cache.derived(cu, ("fla_chunk_indices", CHUNK), build)
+    return cu_cache.derived(cu, ("fla_chunk_index", CHUNK, total_len), lambda: chunk_index(cu, total_len))
 
 
 def _prep(q, k, v, beta, use_qk_l2norm):
@@ -75,7 +105,7 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     qn, kn, v, beta = _prep(q, k, v, beta, use_qk_l2norm)
     _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
         q=qn, k=kn, v=v, g=g.float().contiguous(), beta=beta, scale=scale, initial_state=_state(initial_state),
-        output_final_state=output_final_state, cu_seqlens=cu, chunk_indices=_varlen(cu), chunk_size=CHUNK)
+        output_final_state=output_final_state, cu_seqlens=cu, chunk_indices=_varlen(cu, q.shape[1]), chunk_size=CHUNK)
     return o, final
 
 
@@ -85,7 +115,7 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
     qn, kn, v, beta = _prep(q, k, v, beta, use_qk_l2norm)
-    ci = _varlen(cu)
+    ci = _varlen(cu, q.shape[1])
     g_cum = chunk_local_cumsum(g.float().contiguous(), chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu,
                                chunk_indices=ci)
     _, _, A = chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=beta, cu_seqlens=cu, chunk_indices=ci,

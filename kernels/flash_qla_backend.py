@@ -2,7 +2,8 @@
 
 FlashQLA is eligible per call when q, k, v are bf16/fp16 with ``Dk == Dv == 128``; any other call of
 this backend's chunk op runs fla's Triton chunk kernel instead (logged once), so ``backend="auto"``
-on a Hopper GPU means "FlashQLA where eligible, else fla". Conv, gate, norms: our Triton kernels.
+on a Hopper GPU means "FlashQLA where eligible, else fla". Inside a CUDA graph capture the chunk op is
+fla's too (FlashQLA reads ``cu_seqlens`` on the host). Conv, gate, norms: our Triton kernels.
 
 Intra-card context parallelism is OFF (``auto_cp=False``), always: FlashQLA's automatic choice reads
 ``cu_seqlens`` on the host and switches between kernel variants that each compile for about 100 s on
@@ -56,6 +57,14 @@ def eligible(q, k, v) -> str:
     return ""
 
 
+def _why_not(q, k, v) -> str:
+    """Why this call runs fla's chunk kernels instead (empty when FlashQLA runs it): inputs FlashQLA cannot
+    take (``eligible``), or a CUDA graph capture -- FlashQLA reads ``cu_seqlens`` on the host (its chunk
+    layout, and our compaction of empty segments), so a captured graph would keep one packing's layout."""
+    return eligible(q, k, v) or ("a CUDA graph capture: FlashQLA reads cu_seqlens on the host, fla's kernels run "
+                                 "in the graph" if cu_cache.capturing(q) else "")
+
+
 def _compact(cu):
     """FlashQLA 0.1.3 gave NaN outputs for packs with zero-length segments on an H200
     (``cu = [0, 100, 100, 257, 700]``): it is handed the pack without them (``varlen.without_empty_segments``,
@@ -83,7 +92,7 @@ def _prep(q, k, v, g, beta, use_qk_l2norm):
 
 def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
               use_qk_l2norm=False):
-    why = eligible(q, k, v)
+    why = _why_not(q, k, v)
     if why:
         _fallback(why)
         return fla_backend.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu, use_qk_l2norm)
@@ -109,7 +118,7 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 
 def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
-    if eligible(q, k, v):
+    if _why_not(q, k, v):
         return fla_backend.chunk_bwd(do, dfinal, q, k, v, g, beta, scale, initial_state, cu, use_qk_l2norm)
     from flash_qla.ops.gated_delta_rule import chunk as qla
     h0 = fla_backend._state(initial_state)

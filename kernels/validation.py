@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .cu_cache import as_int64, host_copy
+from .cu_cache import as_int64, capturing, host_copy
 
 _VALIDATE: bool | None = None
 _SKIP_DEPTH = 0
@@ -48,8 +48,9 @@ def skip_value_checks():
 def values_checkable(t: torch.Tensor) -> bool:
     """Whether value checks on ``t`` run now: always on CPU, on accelerators only when switched on, and
     never while ``torch.compile`` traces (a host read of tensor values would break the graph; shape,
-    dtype and device checks still run there and become guards)."""
-    if _SKIP_DEPTH or torch.compiler.is_compiling():
+    dtype and device checks still run there and become guards), nor during a CUDA graph capture (a
+    sync is not allowed there)."""
+    if _SKIP_DEPTH or torch.compiler.is_compiling() or capturing(t):
         return False
     return t.device.type == "cpu" or validation_enabled()
 
@@ -81,6 +82,11 @@ def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | N
         raise ValueError(f"{name} must hold real values (it is on the meta device)")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must hold at least 2 entries (one sequence), got {cu_seqlens.numel()}")
+    target = torch.device(device) if device is not None else cu_seqlens.device
+    if cu_seqlens.device != target and target.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"{name} must be on {target} during a CUDA graph capture, got a {cu_seqlens.device} "
+                         "tensor: its values would be copied once, at capture, and a replay would not see a "
+                         "new packing (keep a device cu_seqlens buffer and copy_ each packing into it)")
     if values_checkable(cu_seqlens):
         host = host_copy(cu_seqlens)
         if int(host[0]) != 0:

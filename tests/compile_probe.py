@@ -7,12 +7,17 @@ layer's CUDA backends launch -- our Triton kernels (conv, gate, L2 norm, gated R
 forward/backward and fused recurrent forward -- with the shapes the layer gives them, for each
 (T, N) layout. Prints one JSON line: compiles at the first layout and after it, per layout.
 
+``--host-reads`` also runs fla's chunk forward and backward of every layout after the first inside
+``host_read_spy.HostReadSpy`` and reports what it saw: on a GPU each entry would be a device sync or a
+host-built tensor, which a CUDA graph capture cannot hold.
+
 ``--negative-control`` runs a kernel whose T is a ``tl.constexpr`` instead: it must recompile per T
 (this is what the test's "can fail" check relies on).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -44,7 +49,7 @@ def pretend_h200():
     torch.cuda.device_count = lambda: 1
 
 
-def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=True):
+def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=True, watch=contextlib.nullcontext):
     """Every kernel launch of one layer forward+backward on the fla backend, at packed length T with N
     sequences (CPU tensors stand in for device memory: nothing is launched)."""
     from gdn_layer.kernels import fla_backend, triton_ops
@@ -66,8 +71,9 @@ def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=Tru
     state = torch.randn(N, Hv, D, D)
     z = torch.randn(1, T, Hv, D, dtype=dtype, generator=g)
     if with_fla:
-        o, s = fla_backend.chunk_fwd(q, k, v, gate, beta, D ** -0.5, state, True, cu, True)
-        fla_backend.chunk_bwd(o, s, q, k, v, gate, beta, D ** -0.5, state, cu, True)
+        with watch():
+            o, s = fla_backend.chunk_fwd(q, k, v, gate, beta, D ** -0.5, state, True, cu, True)
+            fla_backend.chunk_bwd(o, s, q, k, v, gate, beta, D ** -0.5, state, cu, True)
         dcu = torch.arange(N + 1)
         fla_backend.recurrent_fwd(q[:, :N], k[:, :N], v[:, :N], gate[:, :N], beta[:, :N], D ** -0.5, state, True,
                                   dcu, True)
@@ -97,8 +103,15 @@ def main(argv=None):
     ap.add_argument("--counts", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17, 33, 64])
     ap.add_argument("--no-fla", action="store_true", help="only our kernels")
     ap.add_argument("--negative-control", action="store_true")
+    ap.add_argument("--host-reads", action="store_true", help="spy on fla's chunk calls after the first layout")
     args = ap.parse_args(argv)
     pretend_h200()
+    from host_read_spy import HostReadSpy
+    spies = []
+
+    def watch():
+        spies.append(HostReadSpy())
+        return spies[-1]
     per_layout = []
     for T, N in itertools.product(args.lengths, args.counts):
         if N <= T:
@@ -106,11 +119,13 @@ def main(argv=None):
             if args.negative_control:
                 negative_control(T)
             else:
-                layer_calls(T, N, with_fla=not args.no_fla)
+                layer_calls(T, N, with_fla=not args.no_fla,
+                            watch=watch if args.host_reads and per_layout else contextlib.nullcontext)
             per_layout.append({"T": T, "N": N, "compiles": len(COMPILED) - before})
     print("RESULT " + json.dumps({"first": per_layout[0]["compiles"],
                                   "after_first": sum(r["compiles"] for r in per_layout[1:]),
-                                  "layouts": per_layout}), flush=True)
+                                  "layouts": per_layout,
+                                  "host_reads": [[str(x) for x in f] for spy in spies for f in spy.found]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ implementation runs with the mode switched off: each kernel is one opaque call, 
 kernel backends own their launches) and records
 
 - reads of tensor values on the host: ``tolist``, ``item``, ``cpu``, ``numpy``, ``bool()``, ``int()``,
-  ``float()``, ``index()``, and ops whose output shape depends on the values (``nonzero``, ...);
+  ``float()``, ``index()``, and ops whose output shape depends on the values (``nonzero``, ...,
+  ``repeat_interleave`` with tensor repeats and no ``output_size``);
 - tensors built on the host: ``torch.tensor`` / ``as_tensor`` from Python data, and factories called
   without a ``device`` (on a GPU run they land on the CPU and are copied over per call).
 
@@ -57,7 +58,8 @@ class HostReadSpy(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _READS | _FROM_HOST_DATA | _FACTORIES and _from_cpu_only_code():
             pass
-        elif name in _READS:
+        elif name in _READS or (name == "repeat_interleave" and kwargs.get("output_size") is None
+                                and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor)):
             self.found.append(("host read", name))
         elif name in _FROM_HOST_DATA:
             self.found.append(("tensor from host data", name))

@@ -34,14 +34,27 @@ def probe(*args, timeout=900):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.mark.slow
-def test_new_packed_layouts_compile_nothing_on_the_cuda_path():
+@pytest.fixture(scope="module")
+def full_probe():
     if not (FLA_SITE / "fla").is_dir():
         pytest.fail(f"fla-core is not installed in {FLA_SITE}: run scripts/setup.sh")
-    r = probe()
+    return probe("--host-reads")
+
+
+@pytest.mark.slow
+def test_new_packed_layouts_compile_nothing_on_the_cuda_path(full_probe):
+    r = full_probe
     assert r["first"] > 0, "nothing compiled: the probe did not reach Triton's compiler"
     assert r["after_first"] == 0, [x for x in r["layouts"] if x["compiles"]]
     assert len(r["layouts"]) == 64
+
+
+@pytest.mark.slow
+def test_fla_chunk_forward_and_backward_read_nothing_on_the_host(full_probe):
+    """No sync and no host-built tensor in fla's chunk path over 63 new layouts: its chunk index is built on
+    the device (``fla_backend.chunk_index``). Red with fla's ``prepare_chunk_indices``, whose
+    ``repeat_interleave`` reads the chunk count on the host."""
+    assert full_probe["host_reads"] == []
 
 
 def test_the_probe_sees_a_length_specialised_kernel_recompile():

@@ -1,0 +1,84 @@
+"""fla's chunk index built on the device at the pack's capacity (``fla_backend.chunk_index``): the rows of
+fla's exact index first, then padding rows that fla's GDN chunk kernels turn into no-ops. What lets the
+``fla`` backend run without reading ``cu_seqlens`` on the host, and a CUDA graph captured on one packing
+replay another of the same capacity (docs/performance.md, "CUDA graphs")."""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdn_layer.kernels.fla_backend import CHUNK, chunk_index
+
+HERE = Path(__file__).resolve().parent
+FLA_SITE = HERE.parent / ".venv" / "fla-site"
+
+
+def expected(lengths):
+    """The index written out from the lengths, independently of the code under test."""
+    rows = [[i, c] for i, n in enumerate(lengths) for c in range(math.ceil(n / CHUNK))]
+    return rows, (sum(lengths) + (CHUNK - 1) * len(lengths)) // CHUNK if sum(lengths) else 0
+
+
+PACKS = [[200], [64], [1], [63, 1], [0, 5, 65, 60, 70, 0, 0], [0, 0, 300], [1] * 40, [64] * 5, [129, 0, 2, 0],
+         [0, 0, 0]]
+
+
+@pytest.mark.parametrize("lengths", PACKS + [[random.Random(s).randint(0, 150) for _ in range(s)] for s in (3, 9, 27)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_real_rows_then_padding_rows_past_the_last_sequence(lengths, dtype):
+    cu = torch.tensor([0] + lengths).cumsum(0).to(dtype)
+    got = chunk_index(cu, sum(lengths))
+    rows, cap = expected(lengths)
+    assert got.dtype == torch.int64 and tuple(got.shape) == (cap, 2)
+    assert got[:len(rows)].tolist() == rows
+    last = len(lengths) - 1
+    for seq, c in got[len(rows):].tolist():           # padding: the last sequence, a chunk past its end
+        assert seq == last and c * CHUNK >= lengths[last]
+
+
+def test_capacity_depends_on_the_shapes_only():
+    """Any packing of T tokens into N segments gives the same number of rows (one grid for a CUDA graph)."""
+    T, N = 1000, 7
+    sizes = set()
+    for seed in range(20):
+        rnd = random.Random(seed)
+        cuts = sorted(rnd.randint(0, T) for _ in range(N - 1))
+        cu = torch.tensor([0, *cuts, T])
+        got = chunk_index(cu, T)
+        assert got[:, 1].min() >= 0
+        sizes.add(len(got))
+        assert len(expected((cu[1:] - cu[:-1]).tolist())[0]) <= len(got)
+    assert sizes == {(T + (CHUNK - 1) * N) // CHUNK}
+
+
+def test_reads_nothing_on_the_host():
+    from host_read_spy import HostReadSpy
+    cu = torch.tensor([0, 5, 70, 130, 200, 200])
+    with HostReadSpy() as spy:
+        chunk_index(cu, 200)
+    assert spy.found == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lengths", [[0, 5, 65, 60, 70, 0, 0], [130, 1, 0, 64, 2]])
+def test_fla_chunk_kernels_give_the_same_outputs_with_the_padded_index(lengths):
+    """fla's chunk-grid kernels (forward and backward) under Triton's interpreter: outputs with the
+    capacity index equal (bitwise) those with fla's own exact index, although the padding programs see
+    NaN chunk states."""
+    if not (FLA_SITE / "fla").is_dir():
+        pytest.fail(f"fla-core is not installed in {FLA_SITE}: run scripts/setup.sh")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(FLA_SITE), os.environ.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, str(HERE / "fla_index_probe.py"), *map(str, lengths)], capture_output=True,
+                       text=True, timeout=600, env=env)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["capacity_rows"] > r["exact_rows"] and len(r["outputs"]) == 15
+    assert r["differ"] == []
