@@ -10,7 +10,10 @@ random documents), bf16, value checks off, after ``gdn_layer.kernels.warmup``:
   ``backward()`` returns, before any sync): what the Python and launch path costs;
 - ``gpu_ms``: the sum of the kernels' device times per forward+backward (profiler), i.e. the GPU busy time;
 - ``wall_ms``: median wall time of one synced forward+backward (CUDA events), over ``--iters``;
-- ``host_fwd_nograd_ms`` (JSON only): host time of one forward under ``torch.no_grad``.
+- ``host_fwd_nograd_ms`` (JSON only): host time of one forward under ``torch.no_grad``;
+- ``graph_ms`` (``--graphs``, our layer only): median wall time of one replay of a CUDA graph holding the
+  forward+backward, captured at the pack's capacity (T tokens, ``cu_seqlens`` padded to ``docs + 4``
+  segments) and replayed after copying in another packing each time.
 
 If ``host_ms > gpu_ms`` the GPU waits on this layer (the issue-23 target: host below GPU at 8k).
 A fresh ``cu_seqlens`` tensor is made for every call, as a training loop gets one per step (nothing
@@ -79,7 +82,36 @@ def backend_host_ms(call, iters: int) -> dict:
     return {k: v / iters * 1e3 for k, v in spent.items()}
 
 
-def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0, breakdown=False):
+def graph_replay_ms(layer, x, dy, T, docs, iters):
+    """Median wall time of one replay of the captured forward+backward, a new packing copied in before each."""
+    from gdn_layer.parallel import pad_cu_seqlens
+    n_max = docs + 4
+    packs = [pad_cu_seqlens(torch.tensor(packing(T, docs, seed=s), dtype=torch.int32, device=x.device), n_max)
+             for s in range(4)]
+    static_cu = packs[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            layer(x, cu_seqlens=static_cu).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x, cu_seqlens=static_cu).backward(dy)
+    times = []
+    for i in range(iters):
+        static_cu.copy_(packs[i % len(packs)])
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0, breakdown=False, graphs=False):
     from gdn_layer.kernels import warmup
     dev, dt = layer.A_log.device, torch.bfloat16
     cu_list = packing(T, docs)
@@ -147,6 +179,8 @@ def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0, breakdo
            "host_fwd_nograd_ms": round(statistics.median(host_fwd), 3),
            "gpu_ms": round(gpu_ms, 3), "wall_ms": round(statistics.median(wall), 3),
            "kernels": len(kernels) / prof_iters}
+    if graphs and not fla:
+        row["graph_ms"] = round(graph_replay_ms(layer, x, dy, T, docs, iters), 3)
     if top:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), flush=True)
         counts = {}
@@ -174,6 +208,8 @@ def main(argv=None):
                     "function of the first shape and length")
     ap.add_argument("--layer", default="ours", choices=["ours", "fla"], help="ours, or fla 0.6's layer "
                     "(fla.layers.GatedDeltaNet, expand_v=1) for comparison")
+    ap.add_argument("--graphs", action="store_true", help="also time a CUDA graph replay of forward+backward "
+                    "(our layer)")
     ap.add_argument("--label", default="", help="a name printed in each row (e.g. 'before' / 'after')")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
@@ -193,12 +229,13 @@ def main(argv=None):
         for j, T in enumerate(args.T):
             row = measure(layer, T, args.docs, args.iters, args.prof_iters, args.same_cu,
                           args.top if i == j == 0 else 0, args.cprofile if i == j == 0 else 0,
-                          args.breakdown and i == j == 0)
+                          args.breakdown and i == j == 0, args.graphs)
             row.update(shape=shape, label=args.label, layer=args.layer, same_cu=args.same_cu,
                        backend=getattr(layer, "resolved_backend", "fla layer"))
             rows.append(row)
             print(f"| {args.label} | {shape} | {T} | {args.docs} | {row['launches']:.0f} | {row['host_ms']} | "
-                  f"{row['gpu_ms']} | {row['wall_ms']} |", flush=True)
+                  f"{row['gpu_ms']} | {row['wall_ms']} |" + (f" graph replay {row['graph_ms']} ms" if "graph_ms" in row
+                                                             else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -52,6 +52,11 @@ for spec in "$@"; do
     tests_fla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "not flash_qla" ;;
     tests_qla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "flash_qla" ;;
     tests_k)       step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "${K:?set K to a -k expression}" ;;
+    graphs)        step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
+    probe_graph)   step "$name" "$t" python3 "$R/scripts/probe_graph_capture.py" --backend auto --shape ft --T 8192 --n-max 16 ;;
+    # issue 23: host cost per layer call, eager and CUDA-graph replay, ours (auto) then fla's layer, one call
+    host_cost)     step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --graphs --label ours --json "$OUT/host_cost.json" ;;
+    host_cost_fla) step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --layer fla --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --label fla --json "$OUT/host_cost_fla.json" ;;
     tests_triton)  step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_triton_conv.py" "$R/tests/test_triton_gate_norm.py" ;;
     tests_cuda)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda.py" -k "${K:-not nothing}" ;;
     max_tok)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --max-tokens ;;

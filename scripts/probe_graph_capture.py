@@ -100,6 +100,26 @@ def main(argv=None):
         err = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
         print(f"  N={len(p) - 1}: rel err y {err(y, want_y):.2e}, x.grad {err(static_x.grad, want_x):.2e}")
 
+    print("== torch.compile(mode='reduce-overhead') over the same packings", flush=True)
+    try:
+        compiled = torch.compile(layer, mode="reduce-overhead")
+        cu_buf = cu_of(packs[0]).clone()
+        for i, p in enumerate(packs + packs[:1]):
+            cu_buf.copy_(cu_of(p))
+            xi = x.clone().requires_grad_(True)
+            y = compiled(xi, cu_seqlens=cu_buf)
+            y.backward(dy)
+            want_x = eager(cu_of(p))
+            with torch.no_grad():
+                want_y = layer(x, cu_seqlens=cu_of(p))
+            err = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+            print(f"  call {i} N={len(p) - 1}: rel err y {err(y, want_y):.2e}, x.grad {err(xi.grad, want_x):.2e}")
+    except Exception as e:  # noqa: BLE001 - report whatever stops it
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
+        print(f"reduce-overhead FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        for f in frames[-6:]:
+            print(f"    {os.path.basename(f.filename)}:{f.lineno} {f.name}: {f.line}")
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,123 @@
+"""CUDA-graph capture of packed training at a fixed capacity (run on the GPU machine; skipped elsewhere).
+
+The contract (docs/performance.md, "CUDA graphs"): a pack of exactly T tokens whose device ``cu_seqlens`` is
+padded to ``N_max + 1`` entries (``pad_cu_seqlens``) is a capacity. After ``warmup()``, ``torch.cuda.graph``
+around a layer's forward and backward captures once; replaying it after ``cu.copy_(...)`` / ``x.copy_(...)``
+with any other packing of that capacity gives the eager results. The CPU side of the contract (padding, no
+host reads on the path, fla's capacity chunk index) is tested on CPU: test_fixed_capacity.py,
+test_fla_chunk_index.py, test_triton_compile.py.
+"""
+import random
+
+import pytest
+import torch
+
+from gdn_layer import GatedDeltaNet
+from gdn_layer.kernels import available_backends, warmup
+from gdn_layer.parallel import pad_cu_seqlens
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BACKENDS = [b for b in ("fla", "flash_qla") if torch.cuda.is_available() and b in available_backends("cuda")]
+T, N_MAX = 1024, 8
+
+
+def packings(count, seed=0):
+    """Different N, lengths, empty segments (first, middle) at one capacity; the last one has N_MAX documents."""
+    rnd = random.Random(seed)
+    out = [[0, 0, 300, 300, 1000, T], [0, T]]
+    while len(out) < count - 1:
+        n = rnd.randint(2, N_MAX)
+        out.append([0] + sorted(rnd.sample(range(1, T), n - 1)) + [T])
+    out.append([0] + sorted(rnd.sample(range(1, T), N_MAX - 1)) + [T])
+    return out
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def make_layer(backend, D):
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(256, 2, 4, D, D, backend=backend, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.empty(4).uniform_(0.01, 0.05).log())     # slow decay: a leak would show
+    warmup(layer, include_decode=False, include_states=False)
+    return layer
+
+
+def cu_of(p):
+    return pad_cu_seqlens(torch.tensor(p, dtype=torch.int32, device="cuda"), N_MAX)
+
+
+def grads(layer, x):
+    return [x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("D", [64, 128])
+def test_captured_forward_backward_replays_other_packings(backend, D):
+    layer = make_layer(backend, D)
+    packs = packings(5)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    xs = [torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in packs]
+    dy = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def eager(x, p):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi, cu_seqlens=cu_of(p))
+        y.backward(dy)
+        return [y.detach().clone()] + [g.clone() for g in grads(layer, xi)]
+
+    want = [eager(x, p) for x, p in zip(xs, packs)]
+    static_x, static_cu = xs[0].clone().requires_grad_(True), cu_of(packs[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            layer(static_x, cu_seqlens=static_cu).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    layer.zero_grad(set_to_none=True)
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x, cu_seqlens=static_cu)
+        static_y.backward(dy)
+    for i in [1, 2, 3, 4, 0, 2]:               # other packings, then back to the captured one
+        with torch.no_grad():
+            static_x.copy_(xs[i])
+            static_cu.copy_(cu_of(packs[i]))
+        graph.replay()
+        got = [static_y] + grads(layer, static_x)
+        for name, a, b in zip(["y", "x.grad"] + [n for n, _ in layer.named_parameters()], got, want[i]):
+            assert rel_err(a, b) <= 1e-2, (i, name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eager_step_on_a_new_packing_does_not_sync(backend):
+    """An eager forward+backward on a cu_seqlens the layer has not seen: no device sync at all."""
+    layer = make_layer(backend, 128)
+    x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x, cu_seqlens=cu_of(packings(3)[2])).sum().backward()       # (first call of this process's shapes)
+    torch.cuda.synchronize()
+    cu = cu_of(packings(4, seed=5)[3])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x, cu_seqlens=cu).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cpu_cu_seqlens_during_capture_is_refused():
+    layer = make_layer("fla" if "fla" in BACKENDS else "auto", 64)
+    x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 100, T], dtype=torch.int32)
+    with torch.no_grad():
+        layer(x, cu_seqlens=cu.cuda())
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="cu_seqlens must be on cuda.* during a CUDA graph capture"):
+        with torch.cuda.graph(graph), torch.no_grad():
+            layer(x, cu_seqlens=cu)
