@@ -23,8 +23,10 @@ so a fix to the rule reaches all of them. The rule:
 - **Inference tensors on an accelerator are never kept** (they have no version counter, so a refill
   could not be seen): ``build`` runs at each call, in the caller's mode. On the CPU they are kept and
   checked by value like any CPU tensor.
-- **Nothing is kept** while ``torch.compile`` traces or during a CUDA graph capture (what is built then
-  lives in the graph's memory pool, which a replay may overwrite).
+- **Nothing is kept, and nothing kept is served,** while ``torch.compile`` traces, during a CUDA graph
+  capture, or while ``torch.compile(mode="reduce-overhead")``'s CUDA-graph trees warm up or record (what is
+  built then lives in the graph's memory pool, which a replay may overwrite; and a value served from the
+  cache would be baked into the graph and not follow a new packing copied into its inputs).
 - **Bounded:** at most ``MAX_ENTRIES`` source tensors and ``MAX_VALUES_PER_ENTRY`` values per source, least
   recently used dropped first (a caller holding many packs alive does not also hold what was derived from
   each; a source reused with ever new other inputs does not pile up values).
@@ -34,6 +36,7 @@ users.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -65,9 +68,25 @@ def _version(t: torch.Tensor):
         return None
 
 
+def _cudagraph_tree_busy(device: torch.device) -> bool:
+    """``torch.compile(mode="reduce-overhead")``'s CUDA-graph trees are warming up or recording on ``device``:
+    what is allocated now comes from the graph's private pool, which must hold no tensor the graph does not
+    track (a kept value would be overwritten by a replay, and the trees refuse to record)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    try:
+        manager = trees.get_manager(device.index if device.index is not None else torch.cuda.current_device(),
+                                    create_if_none_exists=False)
+        return manager is not None and (manager.in_warmup or manager.in_recording)
+    except Exception:  # noqa: BLE001 - a torch without this private API: nothing to see
+        return False
+
+
 def capturing(t: torch.Tensor) -> bool:
-    """A CUDA graph capture is underway on ``t``'s device: nothing built now may be kept."""
-    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """A CUDA graph capture (or a reduce-overhead CUDA-graph tree's warm-up) is underway on ``t``'s
+    device: nothing built now may be kept."""
+    return t.device.type == "cuda" and (torch.cuda.is_current_stream_capturing() or _cudagraph_tree_busy(t.device))
 
 
 def _signature(t: torch.Tensor, version) -> tuple:
@@ -166,7 +185,8 @@ def derived_from_sizes(store: dict, key: Hashable, build: Callable[[], Any], max
         return build()
     with torch.inference_mode(False):
         value = build()
-    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if not (torch.cuda.is_available() and (torch.cuda.is_current_stream_capturing()
+                                           or _cudagraph_tree_busy(torch.device("cuda")))):
         store[key] = value
         while max_entries is not None and len(store) > max_entries:
             store.pop(next(iter(store)))

@@ -15,6 +15,7 @@ and this backend reports itself unavailable with the reason.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -57,12 +58,29 @@ def eligible(q, k, v) -> str:
     return ""
 
 
+_AS_IN_CAPTURE = 0
+
+
+@contextlib.contextmanager
+def as_in_capture():
+    """Run the chunk op as during a CUDA graph capture (fla's kernels): ``warmup()`` builds them this way."""
+    global _AS_IN_CAPTURE
+    _AS_IN_CAPTURE += 1
+    try:
+        yield
+    finally:
+        _AS_IN_CAPTURE -= 1
+
+
 def _why_not(q, k, v) -> str:
     """Why this call runs fla's chunk kernels instead (empty when FlashQLA runs it): inputs FlashQLA cannot
     take (``eligible``), or a CUDA graph capture -- FlashQLA reads ``cu_seqlens`` on the host (its chunk
     layout, and our compaction of empty segments), so a captured graph would keep one packing's layout."""
-    return eligible(q, k, v) or ("a CUDA graph capture: FlashQLA reads cu_seqlens on the host, fla's kernels run "
-                                 "in the graph" if cu_cache.capturing(q) else "")
+    if eligible(q, k, v):
+        return eligible(q, k, v)
+    if _AS_IN_CAPTURE or cu_cache.capturing(q):
+        return "a CUDA graph capture: FlashQLA reads cu_seqlens on the host, fla's kernels run in the graph"
+    return ""
 
 
 def _compact(cu):
@@ -170,7 +188,7 @@ def make_backend():
         gdn_gate=gate_fwd, chunk_gated_delta_rule_bwd=chunk_bwd,
         recurrent_gated_delta_rule_bwd=fla_backend.recurrent_bwd, causal_conv1d_bwd=conv_bwd,
         gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True,
-        warmup_sequence_counts=warmup_sequence_counts)
+        warmup_sequence_counts=warmup_sequence_counts, as_in_capture=as_in_capture)
 
 
 register_backend(make_backend())

@@ -17,7 +17,7 @@ import logging
 import pathlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -55,6 +55,11 @@ class Backend:
     # whose packs build each compiled variant the backend picks from N (``warmup()`` runs one pack per N);
     # None: nothing the backend compiles depends on N
     warmup_sequence_counts: Callable[[int], tuple[int, ...]] | None = None
+    # ``as_in_capture()`` -> context manager under which the backend runs the kernels it runs during a CUDA
+    # graph capture, for a backend whose captured calls take other kernels than its eager ones (FlashQLA
+    # hands them to fla): ``warmup()`` runs the packed training calls once more under it, so a capture
+    # compiles and autotunes nothing. None: a capture runs the eager kernels
+    as_in_capture: Callable[[], Any] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}

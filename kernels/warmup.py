@@ -9,7 +9,10 @@ The flag combinations: packed (``cu_seqlens``) and dense ``[B, T]`` inputs (the 
 run a dense batch as a pack of B sequences, so for their chunk kernels this is one variant); with and
 without an initial state and a returned state; the decode path (one token per sequence, the recurrent
 kernel); each forward and backward. A backend that picks a compiled variant from the number of
-sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one pack per such count.
+sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one pack per such count. A
+backend whose calls inside a CUDA graph capture take other kernels (FlashQLA hands the chunk op to fla
+there: ``Backend.as_in_capture``) runs the packed training calls once more that way ("captured" jobs), so a
+capture after ``warmup()`` compiles and autotunes nothing (both would sync, which a capture forbids).
 
 Cold, the compiles dominate (FlashQLA's TileLang kernels take 10-35 s each on an H200) and run one after
 another in one process. So on CUDA ``warmup`` starts ``workers`` child processes that build shares of
@@ -21,6 +24,7 @@ starting, and runs the rest itself in seconds.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import operator
@@ -77,7 +81,8 @@ def _sequence_counts(backend, num_v_heads: int) -> list[int]:
 
 def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
     """The calls that cover every variant: ``(kind, n, initial_state?, output_state?, grad?)`` with kind
-    "packed" (n sequences), "dense" (n rows) or "decode" (n sequences of one token)."""
+    "packed" (n sequences), "dense" (n rows), "decode" (n sequences of one token) or "captured" (a pack run
+    under the backend's ``as_in_capture``)."""
     cp = getattr(layer, "cp_size", 1)
     combos = ((False, False), (False, True), (True, True), (True, False))
     if not include_states and cp == 1:
@@ -88,6 +93,8 @@ def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
     for n in _sequence_counts(_backend(layer), layer.heads.v_heads_per_rank):
         if n != 2:
             jobs += [("packed", n, st, out, True) for st, out in combos]
+    if getattr(_backend(layer), "as_in_capture", None) is not None:
+        jobs += [("captured", 2, st, out, True) for st, out in combos]
     if include_decode and include_states and layer.sp_size * cp == 1:   # decode: T = N is not split across ranks
         jobs += [("decode", 3, True, out, grad) for grad in (False, True) for out in (True, False)]
     return jobs
@@ -119,7 +126,9 @@ def _run_jobs(layer, dtype, jobs) -> None:
         return GDNState(randn(n, layer.conv_dim, layer.conv_kernel_size - 1, dtype=sdt),
                         randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=sdt) * 0.1)
 
+    backend = _backend(layer)
     for kind, n, st, out_state, grad in jobs:
+        in_capture = backend.as_in_capture() if kind == "captured" else contextlib.nullcontext()
         if kind == "decode":                 # one token per sequence, not split across ranks
             B, T_local, cu = 1, n, torch.arange(n + 1, device=device)
         else:
@@ -131,7 +140,7 @@ def _run_jobs(layer, dtype, jobs) -> None:
                 B, cu = n, None
         x = randn(B, T_local, layer.hidden_size, dtype=dtype)
         x.requires_grad_(grad)
-        with torch.set_grad_enabled(grad), autocast:
+        with torch.set_grad_enabled(grad), autocast, in_capture:
             res = forward(layer, x, cu_seqlens=cu, state=state(n) if st else None, output_state=out_state)
             y, new = (res if out_state else (res, None))
             if grad:

@@ -86,6 +86,9 @@ def test_captured_forward_backward_replays_other_packings(backend, D):
     with torch.cuda.graph(graph):
         static_y = layer(static_x, cu_seqlens=static_cu)
         static_y.backward(dy)
+    # the same kernels as eager (fla): equal up to reduction order; FlashQLA's eager calls vs fla's kernels
+    # in the graph (FlashQLA reads cu_seqlens on the host): bf16 apart, up to 2e-2 on the 4-element A_log grad
+    tol = 1e-3 if backend == "fla" else 2e-2
     for i in [1, 2, 3, 4, 0, 2]:               # other packings, then back to the captured one
         with torch.no_grad():
             static_x.copy_(xs[i])
@@ -93,7 +96,27 @@ def test_captured_forward_backward_replays_other_packings(backend, D):
         graph.replay()
         got = [static_y] + grads(layer, static_x)
         for name, a, b in zip(["y", "x.grad"] + [n for n, _ in layer.named_parameters()], got, want[i]):
-            assert rel_err(a, b) <= 1e-2, (i, name, rel_err(a, b))
+            assert rel_err(a, b) <= tol, (i, name, rel_err(a, b))
+
+
+def test_reduce_overhead_compile_replays_other_packings():
+    """``torch.compile(mode="reduce-overhead")``: its CUDA-graph trees copy each call's inputs (a new padded
+    cu_seqlens each call) into the recorded graph's; outputs and input gradients follow the packing."""
+    layer = make_layer("fla" if "fla" in BACKENDS else "auto", 64)
+    compiled = torch.compile(layer, mode="reduce-overhead")
+    packs = packings(5, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    dy = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for i, p in enumerate(packs + packs[:2]):
+        x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+        outs = []
+        for f in (compiled, layer):
+            xi = x.clone().requires_grad_(True)
+            y = f(xi, cu_seqlens=cu_of(p))
+            y.backward(dy)
+            outs.append((y.detach().clone(), xi.grad.clone()))
+        (y_c, g_c), (y_e, g_e) = outs
+        assert rel_err(y_c, y_e) <= 1e-2 and rel_err(g_c, g_e) <= 1e-2, (i, rel_err(y_c, y_e), rel_err(g_c, g_e))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

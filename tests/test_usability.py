@@ -150,6 +150,42 @@ def test_warmup_runs_a_pack_of_each_sequence_count_the_backend_compiles_for():
         registry._BACKENDS.pop("counted", None)
 
 
+def test_warmup_runs_the_packed_training_calls_once_more_as_a_capture_runs_them():
+    """A backend whose captured calls take other kernels (FlashQLA hands the chunk op to fla during a CUDA
+    graph capture) names that mode ``as_in_capture``: warmup runs every packed training call under it
+    too (forward and backward inside it), so a capture after warmup compiles and autotunes nothing."""
+    import contextlib
+    torch_b = registry.backend_by_name("torch")
+    mode, seen = [], []
+
+    @contextlib.contextmanager
+    def as_in_capture():
+        mode.append("capture")
+        try:
+            yield
+        finally:
+            mode.pop()
+
+    def chunk(*args, initial_state=None, output_final_state=False, cu=None, **kw):
+        seen.append(("fwd", bool(mode), initial_state is not None, output_final_state))
+        return torch_b.chunk_gated_delta_rule(*args, initial_state=initial_state,
+                                              output_final_state=output_final_state, cu=cu, **kw)
+
+    registry.register_backend(dataclasses.replace(
+        torch_b, name="captured", priority=-5, chunk_gated_delta_rule=chunk, as_in_capture=as_in_capture))
+    try:
+        layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="captured")
+        warmup(layer, include_decode=False)
+        assert {s for s in seen if s[0] == "fwd" and s[1]} == {("fwd", True, a, b) for a in (False, True)
+                                                             for b in (False, True)}
+        assert ("fwd", False, False, False) in seen           # and the eager calls
+        seen.clear()
+        warmup(GatedDeltaNet(32, 1, 2, 8, 8, backend="torch"))       # no as_in_capture: no captured job
+        assert not mode
+    finally:
+        registry._BACKENDS.pop("captured", None)
+
+
 def test_warmup_children_run_their_share_and_a_failing_child_is_only_logged(caplog):
     """The child-process path of warmup (used on CUDA to build kernels in parallel), run here with the
     torch backend on CPU: children rebuild the layer from the spec and run their jobs; a child that
