@@ -386,7 +386,8 @@ def run(args: argparse.Namespace) -> dict:
                                        capture=ctx.device.type == "cuda")
         if lead:
             print(f"--cuda-graphs: capacity {args.seq_len} tokens and N_max = {n_max} documents (the most in any "
-                  "training batch); captured at the first step", flush=True)
+                  "training batch); " + ("captured at the first step" if static.capture else "not captured on the CPU"),
+                  flush=True)
 
     log = open(log_path, "a" if args.resume else "w") if lead else None
     # the summary compares the resumed step with the last one (kept out of state["evals"]: a resumed
