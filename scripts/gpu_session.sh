@@ -83,8 +83,9 @@ for spec in "$@"; do
                         --device cuda --dtype bfloat16 --backend "$b" --layers "$lay" --train all --seq-len "${FT_T:-8192}" \
                         --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name" $g
                    tok_s "$name" ;;
+    # GRAPHS=1: profile the --cuda-graphs step (the replay's kernels; syncs outside the graph)
     prof_ft)       step "$name" "$t" python3 "$R/scripts/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
-                        --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ;;
+                        --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ${GRAPHS:+--cuda-graphs} ;;
     # the same job on two GPUs of one host (target 5 proper): the hybrid under Ulysses sp = 2, the hybrid
     # and the attention model data-parallel (dp = 2, one sequence per GPU); tokens/s counts both GPUs
     ft2_sp|ft2_dp|ft2_attn)
