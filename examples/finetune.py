@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cp > 1 and (args.sp or 1) != 1:
         raise ValueError(f"--cp {args.cp} runs with --sp 1 (this example does not build a cp x sp mesh)")
     split = sequence_split(args.sp, args.cp, int(os.environ.get("WORLD_SIZE", "1")))
-    what = f"--cp {args.cp}" if args.cp > 1 else f"--sp {split}" + ("" if args.sp else " (the default for this world size)")
+    what = (f"--cp {args.cp}" if args.cp > 1
+            else f"--sp {split}" + ("" if args.sp else " (the default for this world size)"))
     if args.seq_len % split:
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by {what}: every rank holds seq_len / "
                          f"{split} tokens of each packed sequence; pick a --seq-len that is a multiple of {split}")
