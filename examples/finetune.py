@@ -8,9 +8,9 @@
 World = dp * sp ranks; SP groups are consecutive ranks. Each step every data-parallel replica takes one
 packed sequence of ``--seq-len`` tokens (documents back to back, ``cu_seqlens`` at their boundaries);
 its SP ranks each hold a contiguous ``T / sp`` slice. Gradients are summed over SP (``reduce_sp_grads``)
-and averaged over DP. With ``--cuda-graphs`` forward + loss + backward are one CUDA graph replayed
-on static buffers (graph_step.py). Writes to ``--out``: ``checkpoint.pt`` (atomic, see checkpoint.py), ``loss.png``,
-``log.jsonl``, ``metrics.json``. A resumed run cuts ``log.jsonl`` back to the checkpoint's step, so after a
+and averaged over DP. With ``--cuda-graphs`` forward + loss + backward are one CUDA graph replayed on
+static buffers (graph_step.py). Writes to ``--out``: ``checkpoint.pt`` (atomic, see checkpoint.py),
+``loss.png``, ``log.jsonl``, ``metrics.json``. A resumed run cuts ``log.jsonl`` back to the checkpoint's step, so after a
 crash and ``--resume`` every output equals an uninterrupted run's. See docs/finetune.md.
 """
 from __future__ import annotations
@@ -348,8 +348,10 @@ def run(args: argparse.Namespace) -> dict:
     "eval_after", "eval_original", "ppl_before", "ppl_after", "steps"}`` (losses in nats per token)."""
     t_start = time.time()
     ctx = setup_distributed(args.sp, args.device, args.cp)
-    if args.seq_len % ctx.sp:   # (parse_args checks this when torchrun sets WORLD_SIZE)
+    if args.seq_len % ctx.sp:   # (parse_args checks these two when torchrun sets WORLD_SIZE)
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by --{'cp' if ctx.cp else 'sp'} {ctx.sp}")
+    if args.cuda_graphs and ctx.sp > 1:
+        raise ValueError(f"--cuda-graphs runs one process per sequence, so not with --{'cp' if ctx.cp else 'sp'} {ctx.sp}")
     lead = ctx.rank == 0
     os.makedirs(args.out, exist_ok=True)
     if not lead:

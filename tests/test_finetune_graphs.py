@@ -156,15 +156,24 @@ def test_run_with_cuda_graphs_trains_and_resumes_like_the_eager_run(corpus, tmp_
 
 
 def _dp2(rank, world, corpus, out):
-    return [_run(argv(corpus, f"{out}/{graphs}", 1), graphs)["losses"] for graphs in (False, True)]
+    losses = [_run(argv(corpus, f"{out}/{graphs}", 1), graphs)["losses"] for graphs in (False, True)]
+    # without torchrun's WORLD_SIZE parse_args cannot see that the default SP size is 2: run refuses it
+    args = finetune.parse_args(argv(corpus, f"{out}/sp2", 1))
+    args.sp, args.cuda_graphs = None, True
+    try:
+        finetune.run(args)
+    except ValueError as e:
+        return losses, str(e)
+    return losses, None
 
 
 def test_data_parallel_replicas_reduce_the_static_gradients_outside_the_step(corpus, tmp_path):
     with DistributedPool(2) as pool:
         ranks = pool.run(_dp2, corpus, str(tmp_path))
-    for eager_losses, graph_losses in ranks:
+    for (eager_losses, graph_losses), refused in ranks:
         assert graph_losses == pytest.approx(eager_losses, rel=1e-6, abs=0)
-    assert ranks[0][1] == ranks[1][1]                  # the replicas agree: the gradients were averaged
+        assert refused == "--cuda-graphs runs one process per sequence, so not with --sp 2"
+    assert ranks[0][0][1] == ranks[1][0][1]            # the replicas agree: the gradients were averaged
 
 
 # ------------------------------------------------------------------------------------ the flag's limits
