@@ -28,6 +28,10 @@ step() {  # name timeout command...
 tok_s() {  # name: the fine-tune run's median tokens/s over steps 6.. (from /tmp/NAME/log.jsonl)
   python3 -c "import json, statistics as s; r=[json.loads(l)['tokens_per_s'] for l in open('/tmp/$1/log.jsonl')][5:]; print('$1 tokens/s median of steps 6..', len(r) + 5, round(s.median(r)), 'min', round(min(r)), 'max', round(max(r)))" | tee -a "$OUT/$1.log"
 }
+same_losses() {  # eager graphed: per-step losses of two fine-tune runs (/tmp/NAME/log.jsonl), if both ran
+  [ -f "/tmp/$1/log.jsonl" ] && [ -f "/tmp/$2/log.jsonl" ] || return 0
+  python3 -c "import json; l=lambda n: [json.loads(x)['loss'] for x in open(f'/tmp/{n}/log.jsonl')]; a, b = l('$1'), l('$2'); d=[abs(x - y) for x, y in zip(a, b)]; print('$2 vs $1: losses of', len(d), 'steps, max |difference|', f'{max(d):.2e}', 'at step', d.index(max(d)) + 1, '; last', f'{a[-1]:.4f} vs {b[-1]:.4f}')" | tee -a "$OUT/$2.log"
+}
 for spec in "$@"; do
   name=${spec%%:*}; t=${spec#*:}; [ "$t" = "$spec" ] && t=300
   case $name in
@@ -82,7 +86,8 @@ for spec in "$@"; do
                    step "$name" "$t" python3 "$R/examples/finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "$b" --layers "$lay" --train all --seq-len "${FT_T:-8192}" \
                         --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name" $g
-                   tok_s "$name" ;;
+                   tok_s "$name"
+                   case $name in ft_graphs) same_losses ft_auto "$name" ;; ft_attn_graphs) same_losses ft_attn "$name" ;; esac ;;
     # GRAPHS=1: profile the --cuda-graphs step (the replay's kernels; syncs outside the graph)
     prof_ft)       step "$name" "$t" python3 "$R/scripts/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ${GRAPHS:+--cuda-graphs} ;;
