@@ -3,12 +3,14 @@
     torchrun --nproc_per_node=2 examples/finetune.py          # SmolLM2-135M + fortunes, sp=2, CPU/gloo
     torchrun --nproc_per_node=2 examples/finetune.py --resume # continue from runs/finetune/checkpoint.pt
     python examples/finetune.py --tiny --steps 3              # one process, tiny random model
+    python examples/finetune.py --device cuda --cuda-graphs   # the step captured in a CUDA graph (sp = 1)
 
 World = dp * sp ranks; SP groups are consecutive ranks. Each step every data-parallel replica takes one
 packed sequence of ``--seq-len`` tokens (documents back to back, ``cu_seqlens`` at their boundaries);
 its SP ranks each hold a contiguous ``T / sp`` slice. Gradients are summed over SP (``reduce_sp_grads``)
-and averaged over DP. Writes to ``--out``: ``checkpoint.pt`` (atomic, see checkpoint.py), ``loss.png``,
-``log.jsonl``, ``metrics.json``. A resumed run cuts ``log.jsonl`` back to the checkpoint's step, so after a
+and averaged over DP. With ``--cuda-graphs`` forward + loss + backward are one CUDA graph replayed on
+static buffers (graph_step.py). Writes to ``--out``: ``checkpoint.pt`` (atomic, see checkpoint.py),
+``loss.png``, ``log.jsonl``, ``metrics.json``. A resumed run cuts ``log.jsonl`` back to the checkpoint's step, so after a
 crash and ``--resume`` every output equals an uninterrupted run's. See docs/finetune.md.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import graph_step
 import text_data
 from checkpoint import load_checkpoint, save_checkpoint, truncate_log
 from hybrid import default_gdn_heads, hybrid_forward, load_model, local_loss, make_hybrid, parse_layers
@@ -66,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--backend", default="auto", help="GatedDeltaNet kernel backend")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="capture forward + loss + backward once in a CUDA graph and replay it every step, on "
+                        "static buffers of --seq-len tokens and the largest document count of any batch "
+                        "(docs/finetune.md); needs --device cuda and --sp 1 --cp 1 (DP replicas are fine)")
     # Fault injection for tests/test_finetune_faults.py only: 'RANK:STEP' makes rank RANK SIGKILL itself on
     # entering step STEP (1-based); 'save:STEP' makes rank 0 SIGKILL itself while saving the checkpoint
     # of step STEP, after the temp file is written and before it is renamed.
@@ -81,11 +88,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cp > 1 and (args.sp or 1) != 1:
         raise ValueError(f"--cp {args.cp} runs with --sp 1 (this example does not build a cp x sp mesh)")
     split = sequence_split(args.sp, args.cp, int(os.environ.get("WORLD_SIZE", "1")))
+    what = (f"--cp {args.cp}" if args.cp > 1
+            else f"--sp {split}" + ("" if args.sp else " (the default for this world size)"))
     if args.seq_len % split:
-        what = (f"--cp {args.cp}" if args.cp > 1
-                else f"--sp {split}" + ("" if args.sp else " (the default for this world size)"))
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by {what}: every rank holds seq_len / "
                          f"{split} tokens of each packed sequence; pick a --seq-len that is a multiple of {split}")
+    if args.cuda_graphs and split != 1:
+        raise ValueError(f"--cuda-graphs runs one process per sequence, so not with {what}: the all-to-all and "
+                         "state passing inside a captured graph are not supported yet; pass --sp 1 (data-parallel "
+                         "replicas are fine: their all-reduce runs outside the graph)")
+    if args.cuda_graphs and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
+        raise ValueError(f"--cuda-graphs needs --device cuda, got --device {args.device}"
+                         + (" with no CUDA device visible" if args.device == "auto" else ""))
     if args.out is None:
         args.out = "runs/finetune-tiny" if args.tiny else "runs/finetune"
     return args
@@ -179,13 +193,20 @@ def local_inputs(batch: text_data.PackedBatch, ctx: Ctx):
             put(batch.cu_seqlens))
 
 
-def train_step(model, params, optimizer, batch: text_data.PackedBatch, ctx: Ctx) -> float:
-    """One optimizer step on this replica's packed ``batch``; returns the loss averaged over all replicas."""
-    ids, labels, pos, cu = local_inputs(batch, ctx)
-    n_global = int((batch.labels != text_data.IGNORE).sum())
-    loss = local_loss(hybrid_forward(model, ids, pos, cu, ctx.sp_group), labels, n_global)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+def train_step(model, params, optimizer, batch: text_data.PackedBatch, ctx: Ctx,
+               static: graph_step.StaticStep | None = None) -> float:
+    """One optimizer step on this replica's packed ``batch``; returns the loss averaged over all replicas.
+
+    With ``static`` (``--cuda-graphs``) forward + loss + backward run on its static buffers (its CUDA graph
+    replayed, which overwrites the gradients); the reductions, clipping and the optimizer step are the same."""
+    if static is not None:
+        loss = static(batch)
+    else:
+        ids, labels, pos, cu = local_inputs(batch, ctx)
+        n_global = int((batch.labels != text_data.IGNORE).sum())
+        loss = local_loss(hybrid_forward(model, ids, pos, cu, ctx.sp_group), labels, n_global)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
     if ctx.sp_group is not None:
         reduce_sp_grads(model, ctx.sp_group)
     if ctx.dp_group is not None:
@@ -194,7 +215,7 @@ def train_step(model, params, optimizer, batch: text_data.PackedBatch, ctx: Ctx)
             p.grad.div_(ctx.dp)
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
-    return all_sum(loss.detach().float()).item() / ctx.dp
+    return all_sum(loss.detach().float().clone()).item() / ctx.dp   # (a static loss buffer stays as it is)
 
 
 @torch.no_grad()
@@ -327,8 +348,10 @@ def run(args: argparse.Namespace) -> dict:
     "eval_after", "eval_original", "ppl_before", "ppl_after", "steps"}`` (losses in nats per token)."""
     t_start = time.time()
     ctx = setup_distributed(args.sp, args.device, args.cp)
-    if args.seq_len % ctx.sp:   # (parse_args checks this when torchrun sets WORLD_SIZE)
+    if args.seq_len % ctx.sp:   # (parse_args checks these two when torchrun sets WORLD_SIZE)
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by --{'cp' if ctx.cp else 'sp'} {ctx.sp}")
+    if args.cuda_graphs and ctx.sp > 1:
+        raise ValueError(f"--cuda-graphs runs one process per sequence, so not with --{'cp' if ctx.cp else 'sp'} {ctx.sp}")
     lead = ctx.rank == 0
     os.makedirs(args.out, exist_ok=True)
     if not lead:
@@ -359,6 +382,16 @@ def run(args: argparse.Namespace) -> dict:
               + (f" (the model before conversion, softmax attention in every layer: {orig:.4f})" if orig is not None else ""),
               flush=True)
 
+    static = None
+    if args.cuda_graphs:   # parse_args admits it on CUDA only; the tests run the same step on the CPU, uncaptured
+        n_max = graph_step.max_documents(train)
+        static = graph_step.StaticStep(model, optimizer, args.seq_len, n_max, ctx.device,
+                                       capture=ctx.device.type == "cuda")
+        if lead:
+            print(f"--cuda-graphs: capacity {args.seq_len} tokens and N_max = {n_max} documents (the most in any "
+                  "training batch); " + ("captured at the first step" if static.capture else "not captured on the CPU"),
+                  flush=True)
+
     log = open(log_path, "a" if args.resume else "w") if lead else None
     # the summary compares the resumed step with the last one (kept out of state["evals"]: a resumed
     # run's checkpoint and plot equal an uninterrupted run's)
@@ -369,7 +402,8 @@ def run(args: argparse.Namespace) -> dict:
         if kill_rank == ctx.rank and kill_step == step + 1:
             kill_self()
         t0, lr = time.perf_counter(), sched.get_last_lr()[0]
-        loss = train_step(model, params, optimizer, text_data.batch_for_step(train, step, ctx.dp_rank, ctx.dp, args.seed), ctx)
+        batch = text_data.batch_for_step(train, step, ctx.dp_rank, ctx.dp, args.seed)
+        loss = train_step(model, params, optimizer, batch, ctx, static)
         sched.step()
         if not math.isfinite(loss):
             raise RuntimeError(f"loss became {loss} at step {step + 1}")

@@ -226,12 +226,15 @@ def hybrid_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torc
     return model.lm_head(inner.norm(x))
 
 
-def local_loss(logits: torch.Tensor, labels: torch.Tensor, n_global: int) -> torch.Tensor:
+def local_loss(logits: torch.Tensor, labels: torch.Tensor, n_global: int | torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropy over this rank's labelled tokens, divided by the GLOBAL count.
 
     logits ``[1, T/P, V]``, labels ``[1, T/P]`` (``IGNORE`` where nothing is predicted). Summing this over
     the SP group gives the mean loss of the whole sequence; summing its gradients (``reduce_sp_grads``)
-    gives the single-process gradient. Computed in fp32.
+    gives the single-process gradient. Computed in fp32. ``n_global`` is an int, or a 0-d integer tensor
+    on the logits' device (a CUDA graph's static buffer: nothing is read on the host).
     """
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    if isinstance(n_global, torch.Tensor):
+        return ce / n_global.clamp(min=1)
     return ce / max(n_global, 1)

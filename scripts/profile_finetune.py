@@ -11,7 +11,7 @@ the top kernels; the host calls that wait for the GPU (``cudaStreamSynchronize``
 step's device syncs.
 
     python3 scripts/profile_finetune.py --model DIR --device cuda --dtype bfloat16 --seq-len 8192 --train all \
-        [--profile-steps 5]
+        [--profile-steps 5] [--cuda-graphs]
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import finetune
+import graph_step
 import text_data
 from profile_sp import analyse
 
@@ -96,9 +97,14 @@ def main(argv=None):
     if ctx.rank == 0:
         print(summary, flush=True)
 
+    static = None   # --cuda-graphs: the step replays its CUDA graph (captured in the first warm-up step)
+    if args.cuda_graphs:
+        static = graph_step.StaticStep(model, optimizer, args.seq_len, graph_step.max_documents(train), ctx.device,
+                                       capture=ctx.device.type == "cuda")
+
     def step(i):
         return finetune.train_step(model, params, optimizer,
-                                   text_data.batch_for_step(train, i, ctx.dp_rank, ctx.dp, args.seed), ctx)
+                                   text_data.batch_for_step(train, i, ctx.dp_rank, ctx.dp, args.seed), ctx, static)
 
     sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
     for i in range(3):
