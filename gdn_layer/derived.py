@@ -76,9 +76,12 @@ def _cudagraph_tree_busy(device: torch.device) -> bool:
     if trees is None:
         return False
     try:
-        manager = trees.get_manager(device.index if device.index is not None else torch.cuda.current_device(),
-                                    create_if_none_exists=False)
-        return manager is not None and (manager.in_warmup or manager.in_recording)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        # the trees end a warm-up lazily, at the next compiled call: their state alone would also cover the
+        # eager code between compiled calls; while they run, the current stream is theirs
+        return (manager is not None and (manager.in_warmup or manager.in_recording)
+                and torch.cuda.current_stream(index) == manager.stream)
     except Exception:  # noqa: BLE001 - a torch without this private API: nothing to see
         return False
 

@@ -13,6 +13,7 @@ See docs/kernels.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 
 import torch
@@ -79,8 +80,14 @@ def recurrent_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
 
 
 def make_backend():
+    # fla's exact chunk index (one host read of cu per tensor): fla's triton_ascend chunk kernels find each
+    # task's sequence from the chunk offsets, and the capacity index's padding rows would send them past
+    # cu_seqlens (fla_backend.exact_chunk_index)
+    exact = fla_backend.exact_chunk_index
     return dataclasses.replace(fla_backend.make_backend(), name="ascend", available=available, priority=10,
-                               recurrent_gated_delta_rule=recurrent_fwd)
+                               recurrent_gated_delta_rule=recurrent_fwd,
+                               chunk_gated_delta_rule=functools.partial(fla_backend.chunk_fwd, index=exact),
+                               chunk_gated_delta_rule_bwd=functools.partial(fla_backend.chunk_bwd, index=exact))
 
 
 if torch_npu_importable():

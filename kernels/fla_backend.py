@@ -16,7 +16,8 @@ Reads nothing on the host: fla's chunk index (which sequence and which of its ch
 a chunk kernel runs) is built on the device at the pack's *capacity* (``chunk_index``), so one packed
 length T and one sequence count N give one grid whatever the lengths are. That is what lets a CUDA
 graph captured on one packing replay any other of the same capacity (docs/performance.md, "CUDA
-graphs"), and an eager step never waits for the GPU to drain.
+graphs"), and an eager step never waits for the GPU to drain. (The ``ascend`` backend passes
+``index=exact_chunk_index``: fla's ``triton_ascend`` kernels are not made for padding rows.)
 fla-core is imported lazily: this module imports anywhere.
 """
 from __future__ import annotations
@@ -89,6 +90,20 @@ def _varlen(cu, total_len):
     return cu_cache.derived(cu, ("fla_chunk_index", CHUNK, total_len), lambda: chunk_index(cu, total_len))
 
 
+def exact_chunk_index(cu, total_len):
+    """fla's own exact chunk index (``prepare_chunk_indices``: one host read of ``cu`` per tensor), or None
+    for a dense batch: for kernels not checked against ``chunk_index``'s padding rows. fla's
+    ``triton_ascend`` chunk kernels (the ``ascend`` backend) find each task's sequence from the chunk
+    offsets and would read past ``cu_seqlens`` for a padding row."""
+    if cu is None:
+        return None
+
+    def build():
+        from fla.ops.utils.index import prepare_chunk_indices
+        return prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cache.host_copy(cu))
+    return cu_cache.derived(cu, ("fla_exact_chunk_index", CHUNK), build)
+
+
 def _prep(q, k, v, beta, use_qk_l2norm):
     if use_qk_l2norm:
         q, k = l2norm_fwd(q), l2norm_fwd(k)
@@ -100,22 +115,23 @@ def _state(initial_state):
 
 
 def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
-              use_qk_l2norm=False):
+              use_qk_l2norm=False, index=_varlen):
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
     qn, kn, v, beta = _prep(q, k, v, beta, use_qk_l2norm)
     _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
         q=qn, k=kn, v=v, g=g.float().contiguous(), beta=beta, scale=scale, initial_state=_state(initial_state),
-        output_final_state=output_final_state, cu_seqlens=cu, chunk_indices=_varlen(cu, q.shape[1]), chunk_size=CHUNK)
+        output_final_state=output_final_state, cu_seqlens=cu, chunk_indices=index(cu, q.shape[1]), chunk_size=CHUNK)
     return o, final
 
 
-def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
+def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False,
+              index=_varlen):
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
     qn, kn, v, beta = _prep(q, k, v, beta, use_qk_l2norm)
-    ci = _varlen(cu, q.shape[1])
+    ci = index(cu, q.shape[1])
     g_cum = chunk_local_cumsum(g.float().contiguous(), chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu,
                                chunk_indices=ci)
     _, _, A = chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=beta, cu_seqlens=cu, chunk_indices=ci,

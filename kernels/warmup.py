@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import types
 import logging
 import operator
 import os
@@ -103,9 +104,28 @@ def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
 def _run_jobs(layer, dtype, jobs) -> None:
     from gdn_layer.layer import GatedDeltaNet  # imported here to keep kernels/ standalone
     from gdn_layer.state import GDNState
-    # the layer's own forward: a transformers-interface subclass (gdn_layer.hf) takes the model's cache
-    # instead of state / output_state, but runs the same kernels
-    forward = GatedDeltaNet.forward if isinstance(layer, GatedDeltaNet) else type(layer).__call__
+    # through the module's __call__ (its hooks run: FSDP2 gathers sharded parameters there), with the
+    # layer's own forward: a transformers-interface subclass (gdn_layer.hf) takes the model's cache instead
+    # of state / output_state but runs the same kernels, so GatedDeltaNet.forward stands in on the instance
+    # for the duration of the calls
+    # (an instance-level forward already there, e.g. a hook library's wrapper, is put back afterwards)
+    own = isinstance(layer, GatedDeltaNet) and type(layer).forward is not GatedDeltaNet.forward
+    missing = object()
+    before = layer.__dict__.get("forward", missing)
+    if own:
+        layer.forward = types.MethodType(GatedDeltaNet.forward, layer)
+    try:
+        _run_job_list(layer, dtype, jobs)
+    finally:
+        if own:
+            if before is missing:
+                del layer.forward
+            else:
+                layer.forward = before
+
+
+def _run_job_list(layer, dtype, jobs) -> None:
+    from gdn_layer.state import GDNState
 
     p = layer.out_proj.weight    # the activations' dtype (A_log, dt_bias may be kept in fp32)
     device, P = p.device, layer.sp_size * getattr(layer, "cp_size", 1)    # ranks a pack is sliced over
@@ -128,7 +148,8 @@ def _run_jobs(layer, dtype, jobs) -> None:
 
     backend = _backend(layer)
     for kind, n, st, out_state, grad in jobs:
-        in_capture = backend.as_in_capture() if kind == "captured" else contextlib.nullcontext()
+        in_capture = (backend.as_in_capture() if kind == "captured" and backend.as_in_capture is not None
+                      else contextlib.nullcontext())
         if kind == "decode":                 # one token per sequence, not split across ranks
             B, T_local, cu = 1, n, torch.arange(n + 1, device=device)
         else:
@@ -141,7 +162,7 @@ def _run_jobs(layer, dtype, jobs) -> None:
         x = randn(B, T_local, layer.hidden_size, dtype=dtype)
         x.requires_grad_(grad)
         with torch.set_grad_enabled(grad), autocast, in_capture:
-            res = forward(layer, x, cu_seqlens=cu, state=state(n) if st else None, output_state=out_state)
+            res = layer(x, cu_seqlens=cu, state=state(n) if st else None, output_state=out_state)
             y, new = (res if out_state else (res, None))
             if grad:
                 loss = y.float().square().mean() + (0 if new is None else new.recurrent_state.square().mean())

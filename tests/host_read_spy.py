@@ -46,6 +46,23 @@ def _from_cpu_only_code() -> bool:
     return frame is not None and (os.path.basename(frame.f_code.co_filename), frame.f_code.co_name) in _CPU_ONLY
 
 
+def _value_shaped(name, args, kwargs) -> bool:
+    """Calls whose output shape depends on tensor values (a sync on a GPU) beyond ``_READS``: tensor-repeat
+    ``repeat_interleave`` without ``output_size`` (also its one-argument form), one-argument ``where``,
+    ``bincount``, and indexing with a boolean tensor."""
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if len(args) == 1 else None)
+        return kwargs.get("output_size") is None and isinstance(repeats, torch.Tensor)
+    if name == "where":
+        return len(args) + len(kwargs) == 1
+    if name == "bincount":
+        return True
+    if name == "__getitem__" and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    return False
+
+
 class HostReadSpy(TorchFunctionMode):
     """``with HostReadSpy() as spy: ...`` then ``spy.found``: ``[(what, detail)]`` in call order."""
 
@@ -58,8 +75,7 @@ class HostReadSpy(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _READS | _FROM_HOST_DATA | _FACTORIES and _from_cpu_only_code():
             pass
-        elif name in _READS or (name == "repeat_interleave" and kwargs.get("output_size") is None
-                                and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor)):
+        elif name in _READS or _value_shaped(name, args, kwargs):
             self.found.append(("host read", name))
         elif name in _FROM_HOST_DATA:
             self.found.append(("tensor from host data", name))

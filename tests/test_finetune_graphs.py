@@ -123,8 +123,12 @@ def test_the_static_step_reads_nothing_on_the_host():
 
 def test_a_batch_over_the_capacity_is_refused():
     static = _static(_hybrid(), None, n_max=2)
+    static.load(_batches()[0])
+    before = [t.clone() for t in (static.input_ids, static.labels, static.position_ids, static.cu_seqlens)]
     with pytest.raises(ValueError, match="capacity max_num_seqs = 2"):
         static.load(_batches()[2])
+    after = (static.input_ids, static.labels, static.position_ids, static.cu_seqlens)
+    assert all(torch.equal(a, b) for a, b in zip(after, before))     # nothing half-loaded
     with pytest.raises(ValueError, match="--seq-len"):
         graph_step.StaticStep(_hybrid(), None, T + 1, 8, CPU.device, capture=False).load(_batches()[0])
     with pytest.raises(ValueError, match="CUDA device"):
@@ -178,13 +182,14 @@ def test_data_parallel_replicas_reduce_the_static_gradients_outside_the_step(cor
 
 # ------------------------------------------------------------------------------------ the flag's limits
 @pytest.mark.parametrize("world, extra, match", [
-    ("1", ["--device", "cpu"], "--cuda-graphs needs --device cuda, got --device cpu"),
+    ("1", ["--device", "cpu"], "--cuda-graphs needs --device cuda .*, got --device cpu"),
     ("1", ["--device", "cuda", "--sp", "2"], "--cuda-graphs runs one process per sequence, so not with --sp 2:"),
     ("2", ["--device", "cuda"], "so not with --sp 2 \\(the default for this world size\\)"),
     ("2", ["--device", "cuda", "--sp", "1", "--cp", "2"], "so not with --cp 2"),
 ])
 def test_cuda_graphs_outside_its_limits_is_refused_in_argument_parsing(monkeypatch, world, extra, match):
     monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # (--device cuda is checked too)
     with pytest.raises(ValueError, match=match):
         finetune.parse_args(["--cuda-graphs", *extra])
 
@@ -195,7 +200,26 @@ def test_cuda_graphs_with_auto_device_and_no_gpu_is_refused(monkeypatch):
         finetune.parse_args(["--cuda-graphs"])
 
 
+def test_device_cuda_without_cuda_and_tiny_with_model_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cuda, but this torch sees no CUDA device"):
+        finetune.parse_args(["--device", "cuda"])
+    with pytest.raises(ValueError, match="--cuda-graphs needs --device cuda"):     # before the --sp advice
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        finetune.parse_args(["--cuda-graphs"])
+    with pytest.raises(ValueError, match="--tiny builds its own 2-layer model: drop --model"):
+        finetune.parse_args(["--tiny", "--model", "/tmp"])
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        finetune.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out and "(default: 0)" in out and "(default: float32)" in out
+
+
 def test_cuda_graphs_with_data_parallel_replicas_is_accepted(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert finetune.parse_args(["--cuda-graphs", "--device", "cuda", "--sp", "1"]).cuda_graphs
     assert not finetune.parse_args(["--device", "cpu"]).cuda_graphs

@@ -82,3 +82,15 @@ def test_fla_chunk_kernels_give_the_same_outputs_with_the_padded_index(lengths):
     r = json.loads(lines[-1][len("RESULT "):])
     assert r["capacity_rows"] > r["exact_rows"] and len(r["outputs"]) == 15
     assert r["differ"] == []
+
+
+def test_the_ascend_backend_keeps_flas_exact_index():
+    """fla's triton_ascend chunk kernels find each task's sequence from the chunk offsets: a padding row of
+    the capacity index would send them past cu_seqlens. The ascend backend hands fla's exact index instead
+    (one host read per cu tensor; no CUDA graphs there)."""
+    from gdn_layer.kernels import ascend_backend, fla_backend
+    be = ascend_backend.make_backend()
+    for op in (be.chunk_gated_delta_rule, be.chunk_gated_delta_rule_bwd):
+        assert op.keywords["index"] is fla_backend.exact_chunk_index
+    cuda = fla_backend.make_backend()
+    assert cuda.chunk_gated_delta_rule is fla_backend.chunk_fwd and cuda.chunk_gated_delta_rule_bwd is fla_backend.chunk_bwd

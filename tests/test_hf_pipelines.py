@@ -157,4 +157,9 @@ def test_the_layers_own_arguments_at_their_defaults_pass_and_warmup_runs_a_swapp
     block = next(m for m in swapped.modules() if isinstance(m, HFGatedDeltaNet))
     x = torch.randn(1, 6, block.hidden_size)
     torch.testing.assert_close(block(x, token_order=None, state=None, output_state=False), block(x))
+    calls = []
+    block.register_forward_pre_hook(lambda m, args, kwargs: calls.append(m) and None, with_kwargs=True)
     assert warmup(block) >= 0           # runs through GatedDeltaNet.forward (states included)
+    assert calls and all(m is block for m in calls)      # through the module's __call__: its hooks run
+    assert "forward" not in block.__dict__                # the transformers forward is back
+    torch.testing.assert_close(block(x), block(x, token_order=None, state=None, output_state=False))

@@ -186,6 +186,41 @@ def test_warmup_runs_the_packed_training_calls_once_more_as_a_capture_runs_them(
         registry._BACKENDS.pop("captured", None)
 
 
+def test_warmup_calls_the_module_so_its_hooks_run():
+    """warmup goes through ``layer(...)``: forward hooks run (accelerate's, FSDP2's parameter gathering), and
+    an instance-level forward (a hook library's wrapper) is what it calls."""
+    layer = GatedDeltaNet(32, 1, 2, 8, 8)
+    pre = []
+    layer.register_forward_pre_hook(lambda m, args, kwargs: pre.append(1) and None, with_kwargs=True)
+    wrapped = []
+    inner = layer.forward
+
+    def wrapper(*args, **kwargs):
+        wrapped.append(1)
+        return inner(*args, **kwargs)
+    layer.forward = wrapper
+    warmup(layer, include_decode=False)
+    assert pre and len(wrapped) == len(pre) and layer.__dict__["forward"] is wrapper
+
+
+def _warmup_under_fully_shard(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(32, 2, 2, 16, 16, backend="torch")
+    fully_shard(layer, mesh=init_device_mesh("cpu", (2,)))
+    warmup(layer, include_decode=False)
+    x = torch.randn(1, 20, 32)
+    layer(x, cu_seqlens=torch.tensor([0, 7, 20])).sum().backward()
+    return True
+
+
+def test_warmup_of_an_fsdp2_sharded_layer():
+    """FSDP2 gathers the sharded parameters in a forward pre-hook: warmup must call the module."""
+    from dist_utils import run_distributed
+    assert run_distributed(_warmup_under_fully_shard, 2) == [True, True]
+
+
 def test_warmup_children_run_their_share_and_a_failing_child_is_only_logged(caplog):
     """The child-process path of warmup (used on CUDA to build kernels in parallel), run here with the
     torch backend on CPU: children rebuild the layer from the spec and run their jobs; a child that
