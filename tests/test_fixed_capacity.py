@@ -143,3 +143,22 @@ def _distributed_steps(rank, world, mode):
 def test_sp2_and_cp2_steps_read_nothing_on_the_host(pool2, mode):
     for found in pool2.run(_distributed_steps, mode):
         assert found == {str(p): [] for p in PACKINGS}
+
+
+def test_the_spy_sees_value_shaped_ops_and_passes_shape_only_ones():
+    """The spy the contract's tests rely on: ops whose output shape depends on tensor values are host reads
+    on a GPU (each a sync); their fixed-size forms are not."""
+    counts, x, mask = torch.tensor([2, 0, 3]), torch.arange(5.0), torch.tensor([True, False, True, True, False])
+    value_shaped = [lambda: torch.repeat_interleave(counts), lambda: torch.repeat_interleave(x[:3], counts),
+                    lambda: x[:3].repeat_interleave(counts), lambda: torch.where(mask), lambda: torch.bincount(counts),
+                    lambda: x[mask], lambda: counts.tolist()]
+    for i, op in enumerate(value_shaped):
+        with HostReadSpy() as spy:
+            op()
+        assert spy.found, i
+    fixed = [lambda: torch.repeat_interleave(x[:3], counts, output_size=5), lambda: x.repeat_interleave(2),
+             lambda: torch.where(mask, x, 0.0), lambda: x[counts], lambda: x[1:3]]
+    for i, op in enumerate(fixed):
+        with HostReadSpy() as spy:
+            op()
+        assert spy.found == [], (i, spy.found)

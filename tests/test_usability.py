@@ -406,3 +406,12 @@ def test_warmup_default_workers_are_shared_by_the_local_ranks(monkeypatch):
     assert wmod._default_workers() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
     assert wmod._default_workers() == 1
+
+
+def test_a_captured_job_on_a_backend_without_as_in_capture_runs_plainly():
+    """A "captured" job reaching a layer whose backend has no ``as_in_capture`` (a child process rebuilding a
+    layer by backend name) runs as a plain packed call instead of failing."""
+    import importlib
+    wmod = importlib.import_module("gdn_layer.kernels.warmup")
+    layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
+    wmod._run_jobs(layer, torch.float32, [("captured", 2, False, False, True)])
