@@ -86,10 +86,11 @@ def _cudagraph_tree_busy(device: torch.device) -> bool:
         return False
 
 
-def capturing(t: torch.Tensor) -> bool:
-    """A CUDA graph capture (or a reduce-overhead CUDA-graph tree's warm-up) is underway on ``t``'s
-    device: nothing built now may be kept."""
-    return t.device.type == "cuda" and (torch.cuda.is_current_stream_capturing() or _cudagraph_tree_busy(t.device))
+def capturing(t: torch.Tensor | torch.device) -> bool:
+    """A CUDA graph capture (or a reduce-overhead CUDA-graph tree's warm-up) is underway on the device of
+    ``t`` (a tensor, or a device): nothing built now may be kept."""
+    device = t if isinstance(t, torch.device) else t.device
+    return device.type == "cuda" and (torch.cuda.is_current_stream_capturing() or _cudagraph_tree_busy(device))
 
 
 def _signature(t: torch.Tensor, version) -> tuple:
@@ -188,8 +189,7 @@ def derived_from_sizes(store: dict, key: Hashable, build: Callable[[], Any], max
         return build()
     with torch.inference_mode(False):
         value = build()
-    if not (torch.cuda.is_available() and (torch.cuda.is_current_stream_capturing()
-                                           or _cudagraph_tree_busy(torch.device("cuda")))):
+    if not (torch.cuda.is_available() and capturing(torch.device("cuda"))):
         store[key] = value
         while max_entries is not None and len(store) > max_entries:
             store.pop(next(iter(store)))

@@ -118,8 +118,7 @@ def _as_packed(b, cu_seqlens, *tensors):
     B, T = q.shape[:2]
     if cu_seqlens is not None or not b.dense_as_packed or B * T == 0:
         return cu_seqlens, tensors, lambda x: x
-    cu = (torch.arange(0, B * T + 1, T, device=q.device, dtype=torch.int64)
-          if cu_cache.capturing(q) else _dense_cu(B, T, q.device))
+    cu = _dense_cu(B, T, q.device)
     flat = tuple(t.reshape(1, B * T, *t.shape[2:]) for t in tensors)
     return cu, flat, lambda x: x.reshape(B, T, *x.shape[2:])
 
