@@ -76,11 +76,10 @@ def _why_not(q, k, v) -> str:
     """Why this call runs fla's chunk kernels instead (empty when FlashQLA runs it): inputs FlashQLA cannot
     take (``eligible``), or a CUDA graph capture -- FlashQLA reads ``cu_seqlens`` on the host (its chunk
     layout, and our compaction of empty segments), so a captured graph would keep one packing's layout."""
-    if eligible(q, k, v):
-        return eligible(q, k, v)
-    if _AS_IN_CAPTURE or cu_cache.capturing(q):
-        return "a CUDA graph capture: FlashQLA reads cu_seqlens on the host, fla's kernels run in the graph"
-    return ""
+    why = eligible(q, k, v)
+    if not why and (_AS_IN_CAPTURE or cu_cache.capturing(q)):
+        why = "a CUDA graph capture: FlashQLA reads cu_seqlens on the host, fla's kernels run in the graph"
+    return why
 
 
 def _compact(cu):

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import types
 import logging
 import operator
 import os
 import subprocess
 import sys
 import time
+import types
 
 import torch
 
@@ -90,11 +90,12 @@ def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
         combos = combos[:1]
     # under CP the layer takes packs only (B == 1); a dense row is one sequence, a pack of one
     jobs = [(kind, 2, st, out, True) for st, out in combos for kind in ("packed", "dense")[:1 if cp > 1 else 2]]
+    backend = _backend(layer)
     # packs of other sequence counts where the backend picks a compiled variant from N (FlashQLA's V block)
-    for n in _sequence_counts(_backend(layer), layer.heads.v_heads_per_rank):
+    for n in _sequence_counts(backend, layer.heads.v_heads_per_rank):
         if n != 2:
             jobs += [("packed", n, st, out, True) for st, out in combos]
-    if getattr(_backend(layer), "as_in_capture", None) is not None:
+    if getattr(backend, "as_in_capture", None) is not None:
         jobs += [("captured", 2, st, out, True) for st, out in combos]
     if include_decode and include_states and layer.sp_size * cp == 1:   # decode: T = N is not split across ranks
         jobs += [("decode", 3, True, out, grad) for grad in (False, True) for out in (True, False)]
@@ -146,10 +147,9 @@ def _run_job_list(layer, dtype, jobs) -> None:
         return GDNState(randn(n, layer.conv_dim, layer.conv_kernel_size - 1, dtype=sdt),
                         randn(n, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=sdt) * 0.1)
 
-    backend = _backend(layer)
+    as_in_capture = getattr(_backend(layer), "as_in_capture", None) or contextlib.nullcontext
     for kind, n, st, out_state, grad in jobs:
-        in_capture = (backend.as_in_capture() if kind == "captured" and backend.as_in_capture is not None
-                      else contextlib.nullcontext())
+        in_capture = as_in_capture() if kind == "captured" else contextlib.nullcontext()
         if kind == "decode":                 # one token per sequence, not split across ranks
             B, T_local, cu = 1, n, torch.arange(n + 1, device=device)
         else:
