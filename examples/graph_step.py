@@ -29,6 +29,29 @@ from gdn_layer.parallel import pad_cu_seqlens
 from hybrid import hybrid_forward, local_loss
 
 
+def capture(step, warmup_iters: int = 2, before_each=None):
+    """PyTorch's whole-network capture recipe: run ``step()`` ``warmup_iters`` times on a side stream (every
+    kernel compiles and autotunes there, outside the capture), then capture one ``step()`` in a
+    ``torch.cuda.CUDAGraph``. ``before_each()`` (optional) runs before each warm-up call and before the
+    capture, e.g. to set the gradients to None so that the capture allocates them.
+
+    Returns ``(graph, out)``: ``out`` is what the captured ``step()`` returned (static tensors, refreshed by
+    each ``graph.replay()``). The capture itself computes nothing: replay once to get a result."""
+    prepare = before_each or (lambda: None)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_iters):
+            prepare()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    prepare()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def max_documents(batches: list[text_data.PackedBatch]) -> int:
     """The capacity ``N_max``: the largest number of ``cu_seqlens`` segments in ``batches``."""
     return max(b.cu_seqlens.numel() - 1 for b in batches)
@@ -88,25 +111,13 @@ class StaticStep:
         loss.backward()
         return loss.detach()
 
-    def _capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):            # compiles and autotunes every kernel outside the capture
-            for _ in range(self.warmup_iters):
-                self.optimizer.zero_grad(set_to_none=True)
-                self.forward_backward()
-        torch.cuda.current_stream().wait_stream(side)
-        self.optimizer.zero_grad(set_to_none=True)   # the capture allocates the gradients: static from now on
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.loss = self.forward_backward()
-
     def __call__(self, batch: text_data.PackedBatch) -> torch.Tensor:
         self.load(batch)
         if not self.capture:
             self.optimizer.zero_grad(set_to_none=True)
             return self.forward_backward()
-        if self.graph is None:
-            self._capture()                      # the capture's run computes nothing: replay it once
+        if self.graph is None:   # the gradients set to None before the capture: it allocates them, static from now on
+            self.graph, self.loss = capture(self.forward_backward, self.warmup_iters,
+                                            lambda: self.optimizer.zero_grad(set_to_none=True))
         self.graph.replay()
         return self.loss

@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # graph_step
 
 SHAPES = {"ft": (576, 4, 8, 64), "qwen3next": (2048, 16, 32, 128)}
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
@@ -84,20 +88,13 @@ def backend_host_ms(call, iters: int) -> dict:
 
 def graph_replay_ms(layer, x, dy, T, docs, iters):
     """Median wall time of one replay of the captured forward+backward, a new packing copied in before each."""
+    from graph_step import capture
     from gdn_layer.parallel import pad_cu_seqlens
     n_max = docs + 4
     packs = [pad_cu_seqlens(torch.tensor(packing(T, docs, seed=s), dtype=torch.int32, device=x.device), n_max)
              for s in range(4)]
     static_cu = packs[0].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            layer(x, cu_seqlens=static_cu).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer(x, cu_seqlens=static_cu).backward(dy)
+    graph, _ = capture(lambda: layer(x, cu_seqlens=static_cu).backward(dy))
     times = []
     for i in range(iters):
         static_cu.copy_(packs[i % len(packs)])

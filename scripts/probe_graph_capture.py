@@ -44,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--n-max", type=int, default=16)
     args = ap.parse_args(argv)
+    from graph_step import capture
     from profile_finetune import sync_sources
     from gdn_layer import GatedDeltaNet
     from gdn_layer.kernels import warmup
@@ -70,35 +71,36 @@ def main(argv=None):
     for site, n in sync_sources(lambda: (eager(cu_of(packs[1])), torch.cuda.synchronize())).most_common():
         print(f"{n:4d}  {site}")
 
-    print("== CUDA graph capture of forward+backward", flush=True)
-    static_cu, static_x = cu_of(packs[0]).clone(), x.clone().requires_grad_(True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                 # warm-up on a side stream, as torch.cuda.graph asks
-        for _ in range(2):
-            layer(static_x, cu_seqlens=static_cu).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    static_x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            y = layer(static_x, cu_seqlens=static_cu)
-            y.backward(dy)
-    except Exception as e:  # noqa: BLE001 - report whatever stops the capture
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
-        print(f"capture FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-        for f in frames[-6:]:
-            print(f"    {os.path.basename(f.filename)}:{f.lineno} {f.name}: {f.line}")
-        return
-    print("captured; replaying over other packings of the same capacity")
-    for p in packs[1:]:
-        static_cu.copy_(cu_of(p))
-        graph.replay()
+    def compare(label, p, y, x_grad):
+        """``y`` and the input gradient of a forward+backward on packing ``p`` against eager calls."""
         want_x = eager(cu_of(p))
         with torch.no_grad():
             want_y = layer(x, cu_seqlens=cu_of(p))
         err = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
-        print(f"  N={len(p) - 1}: rel err y {err(y, want_y):.2e}, x.grad {err(static_x.grad, want_x):.2e}")
+        print(f"  {label}N={len(p) - 1}: rel err y {err(y.detach(), want_y):.2e}, x.grad {err(x_grad, want_x):.2e}")
+
+    def failed(what, e):
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
+        print(f"{what} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        for f in frames[-6:]:
+            print(f"    {os.path.basename(f.filename)}:{f.lineno} {f.name}: {f.line}")
+
+    print("== CUDA graph capture of forward+backward", flush=True)
+    static_cu, static_x = cu_of(packs[0]).clone(), x.clone().requires_grad_(True)
+
+    def step():
+        y = layer(static_x, cu_seqlens=static_cu)
+        y.backward(dy)
+        return y
+    try:
+        graph, y = capture(step, before_each=lambda: setattr(static_x, "grad", None))
+    except Exception as e:  # noqa: BLE001 - report whatever stops the capture
+        return failed("capture", e)
+    print("captured; replaying over other packings of the same capacity")
+    for p in packs[1:]:
+        static_cu.copy_(cu_of(p))
+        graph.replay()
+        compare("", p, y, static_x.grad)
 
     print("== torch.compile(mode='reduce-overhead') over the same packings", flush=True)
     try:
@@ -109,16 +111,9 @@ def main(argv=None):
             xi = x.clone().requires_grad_(True)
             y = compiled(xi, cu_seqlens=cu_buf)
             y.backward(dy)
-            want_x = eager(cu_of(p))
-            with torch.no_grad():
-                want_y = layer(x, cu_seqlens=cu_of(p))
-            err = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
-            print(f"  call {i} N={len(p) - 1}: rel err y {err(y, want_y):.2e}, x.grad {err(xi.grad, want_x):.2e}")
+            compare(f"call {i} ", p, y, xi.grad)
     except Exception as e:  # noqa: BLE001 - report whatever stops it
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
-        print(f"reduce-overhead FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-        for f in frames[-6:]:
-            print(f"    {os.path.basename(f.filename)}:{f.lineno} {f.name}: {f.line}")
+        failed("reduce-overhead", e)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ with any other packing of that capacity gives the eager results. The CPU side of
 host reads on the path, fla's capacity chunk index) is tested on CPU: test_fixed_capacity.py,
 test_fla_chunk_index.py, test_triton_compile.py.
 """
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ import torch
 from gdn_layer import GatedDeltaNet
 from gdn_layer.kernels import available_backends, warmup
 from gdn_layer.parallel import pad_cu_seqlens
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from graph_step import capture  # noqa: E402  (PyTorch's capture recipe: side-stream warm-up, then capture)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -74,18 +79,16 @@ def test_captured_forward_backward_replays_other_packings(backend, D):
 
     want = [eager(x, p) for x, p in zip(xs, packs)]
     static_x, static_cu = xs[0].clone().requires_grad_(True), cu_of(packs[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            layer(static_x, cu_seqlens=static_cu).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    layer.zero_grad(set_to_none=True)
-    static_x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = layer(static_x, cu_seqlens=static_cu)
-        static_y.backward(dy)
+
+    def step():
+        y = layer(static_x, cu_seqlens=static_cu)
+        y.backward(dy)
+        return y
+
+    def no_grads():                             # the capture allocates them: static from then on
+        layer.zero_grad(set_to_none=True)
+        static_x.grad = None
+    graph, static_y = capture(step, before_each=no_grads)
     # the same kernels as eager (fla): equal up to reduction order; FlashQLA's eager calls vs fla's kernels
     # in the graph (FlashQLA reads cu_seqlens on the host): bf16 apart, up to 2e-2 on the 4-element A_log grad
     tol = 1e-3 if backend == "fla" else 2e-2
