@@ -7,8 +7,9 @@ implementation runs with the mode switched off: each kernel is one opaque call, 
 kernel backends own their launches) and records
 
 - reads of tensor values on the host: ``tolist``, ``item``, ``cpu``, ``numpy``, ``bool()``, ``int()``,
-  ``float()``, ``index()``, and ops whose output shape depends on the values (``nonzero``, ...,
-  ``repeat_interleave`` with tensor repeats and no ``output_size``);
+  ``float()``, ``index()``, and ops whose output shape depends on the values (``nonzero``, ..., and
+  those ``_value_shaped`` names: tensor-repeat ``repeat_interleave``, one-argument ``where``,
+  ``bincount``, boolean-mask indexing);
 - tensors built on the host: ``torch.tensor`` / ``as_tensor`` from Python data, and factories called
   without a ``device`` (on a GPU run they land on the CPU and are copied over per call).
 
