@@ -11,6 +11,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.backends.nvidia.driver import ty_to_cpp
 
+from fake_driver_base import NoDeviceDriver
+
 PROPS = {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32,
          "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
 
@@ -31,15 +33,11 @@ class _Launcher:
         pass
 
 
-class FakeCudaDriver(DriverBase):
+class FakeCudaDriver(NoDeviceDriver, DriverBase):
     def __init__(self, capability: int = 90):
         self.capability = capability
         self.utils = _Utils()
         self.launcher_cls = _Launcher
-
-    @classmethod
-    def is_active(cls):
-        return True
 
     def map_python_to_cpp_type(self, ty):
         return ty_to_cpp(ty)
@@ -47,35 +45,11 @@ class FakeCudaDriver(DriverBase):
     def get_current_target(self):
         return GPUTarget("cuda", self.capability, 32)
 
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_current_device(self):
-        return 0
-
-    def set_current_device(self, device):
-        pass
-
-    def get_current_stream(self, device=None):
-        return 0
-
     def get_device_capability(self, device=0):
         return divmod(self.capability, 10)
 
     def get_device_interface(self):
         return torch.cuda
-
-    def get_benchmarker(self):
-        def bench(fn, *args, quantiles=None, **kwargs):
-            fn()
-            return [1.0] * len(quantiles) if quantiles else 1.0
-        return bench
-
-    def get_empty_cache_for_benchmark(self):
-        return torch.empty(1)
-
-    def clear_cache(self, cache):
-        pass
 
 
 def install() -> list:

@@ -24,6 +24,8 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 
+from fake_driver_base import NoDeviceDriver
+
 ARCH = "Ascend910B2"            # a 910B2(C): 24 AI cores (cube), 48 vector cores
 PROPS = {"max_shared_mem": 1, "num_aicore": 24, "num_vectorcore": 48}
 GRID_LIMIT = 65535              # triton-ascend's JIT raises above this many programs per launch
@@ -67,44 +69,16 @@ class _Launcher:
         RECORD.launches.append({"kernel": self.name, "grid": [int(grid_0), int(grid_1), int(grid_2)]})
 
 
-class FakeNPUDriver(DriverBase):
+class FakeNPUDriver(NoDeviceDriver, DriverBase):
     def __init__(self):
         self.utils = _Utils()
         self.launcher_cls = _Launcher
 
-    @classmethod
-    def is_active(cls):
-        return True
-
     def get_current_target(self):
         return GPUTarget("npu", ARCH, 0)
 
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_current_device(self):
-        return 0
-
-    def set_current_device(self, device):
-        pass
-
-    def get_current_stream(self, device=None):
-        return 0
-
     def get_device_interface(self):
         return torch.npu
-
-    def get_benchmarker(self):
-        def bench(fn, *args, quantiles=None, **kwargs):
-            fn()
-            return [1.0] * len(quantiles) if quantiles else 1.0
-        return bench
-
-    def get_empty_cache_for_benchmark(self):
-        return torch.empty(1)
-
-    def clear_cache(self, cache):
-        pass
 
 
 def _npubin_stub(linalg: str, metadata: dict, opt):
