@@ -319,7 +319,9 @@ class GatedDeltaNet(nn.Module):
         C = self.local_conv_dim
         Dk, Dv = self.head_k_dim, self.head_v_dim
         hk, hv = self.heads.k_heads_per_rank, self.heads.v_heads_per_rank
-        weight = conv_weight(self.conv1d)[:, 0, :]   # (honours an accelerate hook on conv1d)
+        # [C, 1, W] -> [C, W] as a view (honours an accelerate hook on conv1d): a select or slice here would
+        # cost a zero-filled [C, W] gradient and a copy each in the backward
+        weight = conv_weight(self.conv1d).squeeze(1)
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
         widths = [hk * Dk, hk * Dk, hv * Dv]
@@ -327,14 +329,13 @@ class GatedDeltaNet(nn.Module):
             # training / prefill: one conv per q, k, v channel group, each reading its slice of mixed in
             # place and writing a contiguous output, which the chunk kernels take as is (one conv of all
             # channels returns column slices, and v would be copied in the forward and again in the
-            # backward; its gradient would be concatenated back). One split of mixed: its backward
-            # writes mixed's gradient with one concatenation.
+            # backward; its gradient would be concatenated back). One split of mixed and one of the
+            # weight: each backward writes the whole gradient with one concatenation.
             *xs, a, b = mixed.split([*widths, hv, hv], -1)
-            starts = [0, widths[0], widths[0] + widths[1]]
-            outs = [causal_conv1d(xi, weight[s:s + w], None, activation="silu", cu_seqlens=cu,
-                                  initial_state=None if initial_state is None else initial_state[:, s:s + w],
+            states = [None] * 3 if initial_state is None else initial_state.split(widths, 1)
+            outs = [causal_conv1d(xi, wi, None, activation="silu", cu_seqlens=cu, initial_state=si,
                                   output_final_state=output_state, backend=self._backend)
-                    for xi, s, w in zip(xs, starts, widths)]
+                    for xi, wi, si in zip(xs, weight.split(widths), states)]
             q, k, v = (o for o, _ in outs)
             conv_state = torch.cat([st for _, st in outs], 1) if output_state else None
         else:
@@ -350,8 +351,11 @@ class GatedDeltaNet(nn.Module):
     def _gate(self, a, b):
         """``g = -exp(A_log) softplus(a + dt_bias)`` (fp32, fp64 for fp64 weights) and ``beta = sigmoid(b)``,
         this rank's heads."""
-        vh = self.heads.v_heads(self.sp_rank)
-        return gdn_gate(a, b, self.A_log[vh.start:vh.stop], self.dt_bias[vh.start:vh.stop], backend=self._backend)
+        A_log, dt_bias = self.A_log, self.dt_bias
+        if self.sp_size > 1:   # (without SP no slice: its backward would zero-fill and copy a gradient)
+            vh = self.heads.v_heads(self.sp_rank)
+            A_log, dt_bias = A_log[vh.start:vh.stop], dt_bias[vh.start:vh.stop]
+        return gdn_gate(a, b, A_log, dt_bias, backend=self._backend)
 
     def _delta_rule(self, q, k, v, g, beta, cu, initial_state, output_state):
         """Recurrent kernel when every sequence has at most one token (decode), chunk kernel otherwise;

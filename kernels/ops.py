@@ -36,26 +36,31 @@ from .registry import backend_by_name
 _EMPTY = (0,)
 
 
-def _own(t: Tensor, *inputs) -> Tensor:
+def _storages(tensors) -> set:
+    """The storage addresses of the non-empty tensors among ``tensors`` (None skipped)."""
+    return {t.untyped_storage().data_ptr() for t in tensors if t is not None and t.numel()}
+
+
+def _own(t: Tensor, *inputs, taken: set | None = None) -> Tensor:
     """``t`` made contiguous (the fake implementations promise contiguous outputs), and a copy of it
     where it shares memory with an input (a custom op must not alias them: e.g. the state of a
-    zero-length sequence is its initial state)."""
+    zero-length sequence is its initial state). ``taken``: the inputs' storages, if already gathered."""
     t = t.contiguous()
     if t.numel() == 0:
         return t.new_empty(t.shape)
-    ptr = t.untyped_storage().data_ptr()
-    if any(x is not None and x.numel() and x.untyped_storage().data_ptr() == ptr for x in inputs):
+    if t.untyped_storage().data_ptr() in (_storages(inputs) if taken is None else taken):
         return t.clone()
     return t
 
 
 def _distinct(outputs, *inputs) -> tuple:
     """``outputs`` with each one that shares memory with an input or an earlier output copied."""
-    seen = [x for x in inputs if x is not None]
+    taken = _storages(inputs)
     result = []
     for t in outputs:
-        t = _own(t, *seen)
-        seen.append(t)
+        t = _own(t, taken=taken)
+        if t.numel():
+            taken.add(t.untyped_storage().data_ptr())
         result.append(t)
     return tuple(result)
 

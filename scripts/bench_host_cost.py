@@ -86,6 +86,45 @@ def backend_host_ms(call, iters: int) -> dict:
     return {k: v / iters * 1e3 for k, v in spent.items()}
 
 
+def _where(name: str) -> str:
+    """The package a profiler event belongs to: a Python frame by its file, an aten op, a CUDA runtime call."""
+    if ".py(" in name:
+        path = name.split(".py(")[0]
+        for key in ("triton", "fla", "flash_qla", "tilelang", "torch/_library", "torch/autograd", "torch/_ops",
+                    "torch/_dynamo", "torch/utils", "gdn_layer", "kernels", "parallel"):
+            if f"/{key}/" in path + "/" or path.startswith(key):
+                return {"kernels": "gdn_layer", "parallel": "gdn_layer"}.get(key, key) + " (Python)"
+        return "other Python"
+    if name.startswith("<built-in") or name.startswith("<method"):
+        return "builtins called from Python"
+    if name.startswith("aten::"):
+        return "aten ops (dispatch, allocation)"
+    if name.startswith("cu") or name.startswith("Memcpy"):
+        return "CUDA runtime calls"
+    return "other: " + name[:50]
+
+
+def python_profile(call, calls: int, top: int) -> None:
+    """Self host time per Python function and op over ``calls`` calls (``torch.profiler`` with
+    ``with_stack=True``: its Python tracer slows Python down, so read the shares, not the absolute times),
+    and the same summed per package."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_cpu_time_total / calls / 1e3, e.count / calls) for e in prof.key_averages()]
+    total = sum(ms for _, ms, _ in rows)
+    per = {}
+    for name, ms, _ in rows:
+        per[_where(name)] = per.get(_where(name), 0.0) + ms
+    print(f"self host ms per forward+backward under the Python tracer (total {total:.2f} ms):", flush=True)
+    for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"  {ms:7.3f}  {100 * ms / total:5.1f}%  {name}")
+    for name, ms, n in sorted(rows, key=lambda r: -r[1])[:top]:
+        print(f"  {ms:7.3f}  x{n:5.1f}  {name[:150]}")
+
+
 def graph_replay_ms(layer, x, dy, T, docs, iters):
     """Median wall time of one replay of the captured forward+backward, a new packing copied in before each."""
     from graph_step import capture
@@ -108,7 +147,7 @@ def graph_replay_ms(layer, x, dy, T, docs, iters):
     return statistics.median(times)
 
 
-def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0, breakdown=False, graphs=False):
+def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0, breakdown=False, graphs=False, pyprof=0):
     from gdn_layer.kernels import warmup
     dev, dt = layer.A_log.device, torch.bfloat16
     cu_list = packing(T, docs)
@@ -161,6 +200,8 @@ def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0, breakdo
         print(f"host ms per forward+backward inside each backend function (T={T}, {iters} calls):", flush=True)
         for name, ms in sorted(backend_host_ms(call, iters).items(), key=lambda kv: -kv[1]):
             print(f"  {ms:7.3f}  {name}")
+    if pyprof:
+        python_profile(call, pyprof, max(top, 40))
     if cprofile:
         import cProfile
         import pstats
@@ -203,6 +244,8 @@ def main(argv=None):
                     "length under cProfile and print the top Python functions")
     ap.add_argument("--breakdown", action="store_true", help="also print the host time inside each backend "
                     "function of the first shape and length")
+    ap.add_argument("--pyprof", type=int, default=0, help="also run this many calls of the first shape and length "
+                    "under torch.profiler's Python tracer and print the self host time per function and per package")
     ap.add_argument("--layer", default="ours", choices=["ours", "fla"], help="ours, or fla 0.6's layer "
                     "(fla.layers.GatedDeltaNet, expand_v=1) for comparison")
     ap.add_argument("--graphs", action="store_true", help="also time a CUDA graph replay of forward+backward "
@@ -226,7 +269,7 @@ def main(argv=None):
         for j, T in enumerate(args.T):
             row = measure(layer, T, args.docs, args.iters, args.prof_iters, args.same_cu,
                           args.top if i == j == 0 else 0, args.cprofile if i == j == 0 else 0,
-                          args.breakdown and i == j == 0, args.graphs)
+                          args.breakdown and i == j == 0, args.graphs, args.pyprof if i == j == 0 else 0)
             row.update(shape=shape, label=args.label, layer=args.layer, same_cu=args.same_cu,
                        backend=getattr(layer, "resolved_backend", "fla layer"))
             rows.append(row)

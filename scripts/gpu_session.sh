@@ -60,6 +60,12 @@ for spec in "$@"; do
     probe_graph)   step "$name" "$t" python3 "$R/scripts/probe_graph_capture.py" --backend auto --shape ft --T 8192 --n-max 16 ;;
     # issue 23: host cost per layer call, eager and CUDA-graph replay, ours (auto) then fla's layer, one call
     host_cost)     step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --graphs --label ours --json "$OUT/host_cost.json" ;;
+    # the host time of one ft-shape layer call at 8k per Python function and package (torch.profiler's Python tracer)
+    pyprof)        step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --shapes ft --T 8192 --same-cu --iters 10 --pyprof 5 --top 50 ;;
+    pyprof_fla)    step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --layer fla --shapes ft --T 8192 --same-cu --iters 10 --pyprof 5 --top 50 ;;
+    thread_null)   step "$name" "$t" python3 "$R/scripts/probe_autograd_thread.py" --layer null ;;
+    thread_ft)     step "$name" "$t" python3 "$R/scripts/probe_autograd_thread.py" --layer ft --T 8192 ;;
+    null_cuda)     step "$name" "$t" python3 "$R/scripts/bench_null_backend.py" --device cuda ;;
     host_cost_fla) step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --layer fla --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --label fla --json "$OUT/host_cost_fla.json" ;;
     tests_triton)  step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_triton_conv.py" "$R/tests/test_triton_gate_norm.py" ;;
     tests_cuda)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda.py" -k "${K:-not nothing}" ;;
