@@ -19,9 +19,15 @@ graph captured on one packing replay any other of the same capacity (docs/perfor
 graphs"), and an eager step never waits for the GPU to drain. (The ``ascend`` backend passes
 ``index=exact_chunk_index``: fla's ``triton_ascend`` kernels are not made for padding rows.)
 fla-core is imported lazily: this module imports anywhere.
+
+Inside a capture (a CUDA graph, or ``torch.compile(mode="reduce-overhead")``'s graph trees) fla's own
+identity-keyed ``tensor_cache`` is switched off for the call (``fla.utils.FLA_DISABLE_TENSOR_CACHE``):
+it would keep what fla derives from ``cu_seqlens`` (its lengths and chunk offsets) alive in the graph's
+memory pool, which the graph trees refuse ("tensors in the cudagraph pool not tracked as outputs").
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -104,6 +110,31 @@ def exact_chunk_index(cu, total_len):
     return cu_cache.derived(cu, ("fla_exact_chunk_index", CHUNK), build)
 
 
+@contextlib.contextmanager
+def _fla_cache_off_in_capture(t: torch.Tensor):
+    """fla's ``tensor_cache`` off for this call while ``t``'s device captures (see the module docstring)."""
+    if not cu_cache.capturing(t):
+        yield
+        return
+    import fla.utils
+    before = getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False)
+    fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = before
+
+
+def _fla_cache_policy(fn):
+    """``fn(q, ...)`` run under ``_fla_cache_off_in_capture(q)`` (``q``: the first argument that is a tensor)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        with _fla_cache_off_in_capture(first):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
 def _prep(q, k, v, beta, use_qk_l2norm):
     if use_qk_l2norm:
         q, k = l2norm_fwd(q), l2norm_fwd(k)
@@ -114,6 +145,7 @@ def _state(initial_state):
     return None if initial_state is None else initial_state.float().contiguous()
 
 
+@_fla_cache_policy
 def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
               use_qk_l2norm=False, index=_varlen):
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
@@ -124,6 +156,7 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return o, final
 
 
+@_fla_cache_policy
 def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False,
               index=_varlen):
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
@@ -145,6 +178,7 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
     return dq, dk, dv, dg, db, dh0
 
 
+@_fla_cache_policy
 def recurrent_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
                   use_qk_l2norm=False):
     from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd

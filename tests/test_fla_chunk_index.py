@@ -94,3 +94,24 @@ def test_the_ascend_backend_keeps_flas_exact_index():
         assert op.keywords["index"] is fla_backend.exact_chunk_index
     cuda = fla_backend.make_backend()
     assert cuda.chunk_gated_delta_rule is fla_backend.chunk_fwd and cuda.chunk_gated_delta_rule_bwd is fla_backend.chunk_bwd
+
+
+
+# ---------------------------------------------------------------------- fla's tensor_cache in a capture
+@pytest.mark.parametrize("capturing", [True, False])
+def test_fla_tensor_cache_is_off_inside_a_capture_only(capturing):
+    """Inside a capture fla's identity-keyed ``tensor_cache`` would keep its lengths and chunk offsets of
+    cu_seqlens in the graph's pool (reduce-overhead's graph trees then refuse the graph): the fla backend
+    switches it off for each call made while capturing, and leaves it as it was otherwise
+    (``fla_cache_probe.py``: fla's chunk functions stubbed, each records the switch when called)."""
+    if not (FLA_SITE / "fla").is_dir():
+        pytest.fail(f"fla-core is not installed in {FLA_SITE}: run scripts/setup.sh")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(FLA_SITE), os.environ.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, str(HERE / "fla_cache_probe.py"), str(int(capturing))], capture_output=True,
+                       text=True, timeout=300, env=env)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["seen"] == [capturing] * 4          # chunk forward: 1 call; backward: 3
+    assert result["after"] is False                    # put back after each call
