@@ -104,15 +104,17 @@ def _where(name: str) -> str:
     return "other: " + name[:50]
 
 
-def python_profile(call, calls: int, top: int) -> None:
+def python_profile(call, calls: int, top: int, sync=None) -> dict:
     """Self host time per Python function and op over ``calls`` calls (``torch.profiler`` with
     ``with_stack=True``: its Python tracer slows Python down, so read the shares, not the absolute times),
-    and the same summed per package."""
-    torch.cuda.synchronize()
+    and the same summed per package (``_where``), which it also returns (ms per call).
+    ``sync``: waits for the device (default ``torch.cuda.synchronize``)."""
+    sync = torch.cuda.synchronize if sync is None else sync
+    sync()
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(calls):
             call()
-        torch.cuda.synchronize()
+        sync()
     rows = [(e.key, e.self_cpu_time_total / calls / 1e3, e.count / calls) for e in prof.key_averages()]
     total = sum(ms for _, ms, _ in rows)
     per = {}
@@ -123,6 +125,7 @@ def python_profile(call, calls: int, top: int) -> None:
         print(f"  {ms:7.3f}  {100 * ms / total:5.1f}%  {name}")
     for name, ms, n in sorted(rows, key=lambda r: -r[1])[:top]:
         print(f"  {ms:7.3f}  x{n:5.1f}  {name[:150]}")
+    return per
 
 
 def graph_replay_ms(layer, x, dy, T, docs, iters):

@@ -1,5 +1,6 @@
 """The GPU profiling scripts' timeline arithmetic (scripts/profile_sp.py, scripts/profile_finetune.py) on
-hand-made traces: the numbers they report in docs/performance.md come from these functions."""
+hand-made traces, and bench_host_cost.py's attribution of host time to packages (on the CPU): the numbers
+they report in docs/performance.md come from these functions."""
 import json
 import random
 import sys
@@ -53,3 +54,34 @@ def test_analyse_splits_steps_and_separates_nccl_from_compute(tmp_path):
     assert med["idle"] == pytest.approx((10 + 0) / 2 / 1e3)
     assert [name for name, _ in top] == ["gemm", "ncclDevKernel_SendRecv", "copy"]
     assert dict(top)["gemm"] == pytest.approx((40 + 80) / 2)
+
+
+@pytest.mark.parametrize("name, where", [
+    ("/opt/venv/lib/python3.12/site-packages/triton/runtime/jit.py(695): run", "triton (Python)"),
+    ("/tmp/site/fla/ops/utils/cache.py(374): run", "fla (Python)"),
+    ("/opt/venv/lib/python3.12/site-packages/torch/_library/autograd.py(73): backward", "torch/_library (Python)"),
+    ("/tmp/pkg/gdn_layer/kernels/ops.py(47): <genexpr>", "gdn_layer (Python)"),
+    ("kernels/varlen.py(113): __init__", "gdn_layer (Python)"),
+    ("aten::mm", "aten ops (dispatch, allocation)"),
+    ("cudaLaunchKernel", "CUDA runtime calls"),
+    ("<built-in method apply of FunctionMeta object at 0x7f>", "builtins called from Python"),
+])
+def test_host_time_is_attributed_to_the_package_of_each_frame(name, where):
+    import bench_host_cost
+    assert bench_host_cost._where(name) == where
+
+
+def test_python_profile_attributes_a_layer_call_on_the_cpu(capsys):
+    """The shares add up to the whole self time, and the layer's own Python and the aten ops are among them."""
+    import torch
+
+    import bench_host_cost
+    from gdn_layer import GatedDeltaNet
+    layer = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch")
+    x = torch.randn(1, 20, 32, requires_grad=True)
+    cu = torch.tensor([0, 7, 20])
+    per = bench_host_cost.python_profile(lambda: layer(x, cu_seqlens=cu).sum().backward(), 2, 5, sync=lambda: None)
+    out = capsys.readouterr().out
+    total = float(out.split("(total ")[1].split(" ms")[0])
+    assert abs(sum(per.values()) - total) <= 0.01 * total + 0.01
+    assert per.get("gdn_layer (Python)", 0) > 0 and per.get("aten ops (dispatch, allocation)", 0) > 0
