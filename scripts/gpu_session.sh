@@ -57,6 +57,8 @@ for spec in "$@"; do
     tests_qla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "flash_qla" ;;
     tests_k)       step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "${K:?set K to a -k expression}" ;;
     graphs)        step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
+    # the graph tests other than the replays (reduce-overhead, no-sync, the CPU-cu refusal): fewer cold compiles
+    graphs_rest)   step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k "not test_captured_forward_backward_replays_other_packings" ;;
     probe_graph)   step "$name" "$t" python3 "$R/scripts/probe_graph_capture.py" --backend auto --shape ft --T 8192 --n-max 16 ;;
     # issue 23: host cost per layer call, eager and CUDA-graph replay, ours (auto) then fla's layer, one call
     host_cost)     step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --graphs --label ours --json "$OUT/host_cost.json" ;;
