@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 
@@ -110,26 +111,40 @@ def exact_chunk_index(cu, total_len):
     return cu_cache.derived(cu, ("fla_exact_chunk_index", CHUNK), build)
 
 
+_switch_lock = threading.Lock()
+_switch = {"depth": 0, "before": False}
+
+
 @contextlib.contextmanager
 def _fla_cache_off_in_capture(t: torch.Tensor):
-    """fla's ``tensor_cache`` off for this call while ``t``'s device captures (see the module docstring)."""
+    """fla's ``tensor_cache`` off for this call while ``t``'s device captures (see the module docstring);
+    overlapping captures (other threads, nesting) share one switch: off from the first entry, put back
+    as it was at the last exit."""
     if not cu_cache.capturing(t):
         yield
         return
     import fla.utils
-    before = getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False)
-    fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+    with _switch_lock:
+        if _switch["depth"] == 0:
+            _switch["before"] = getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False)
+            fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+        _switch["depth"] += 1
     try:
         yield
     finally:
-        fla.utils.FLA_DISABLE_TENSOR_CACHE = before
+        with _switch_lock:
+            _switch["depth"] -= 1
+            if _switch["depth"] == 0:
+                fla.utils.FLA_DISABLE_TENSOR_CACHE = _switch["before"]
 
 
 def _fla_cache_policy(fn):
-    """``fn(q, ...)`` run under ``_fla_cache_off_in_capture(q)`` (``q``: the first argument that is a tensor)."""
+    """``fn(q, ...)`` run under ``_fla_cache_off_in_capture(q)`` (``q``: the first tensor argument)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        first = next(a for a in args if isinstance(a, torch.Tensor))
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is None:
+            return fn(*args, **kwargs)
         with _fla_cache_off_in_capture(first):
             return fn(*args, **kwargs)
     return wrapper

@@ -86,14 +86,22 @@ def backend_host_ms(call, iters: int) -> dict:
     return {k: v / iters * 1e3 for k, v in spent.items()}
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGES = ("triton", "fla", "flash_qla", "tilelang", "torch/_library", "torch/autograd", "torch/_ops",
+             "torch/_dynamo", "torch/utils", "gdn_layer")
+
+
 def _where(name: str) -> str:
-    """The package a profiler event belongs to: a Python frame by its file, an aten op, a CUDA runtime call."""
+    """The package a profiler event belongs to: a Python frame by its file (whole path components: a
+    frame of ``flash_qla/`` is not fla's; this checkout's files are ``gdn_layer``'s), an aten op, a CUDA
+    runtime call."""
     if ".py(" in name:
-        path = name.split(".py(")[0]
-        for key in ("triton", "fla", "flash_qla", "tilelang", "torch/_library", "torch/autograd", "torch/_ops",
-                    "torch/_dynamo", "torch/utils", "gdn_layer", "kernels", "parallel"):
-            if f"/{key}/" in path + "/" or path.startswith(key):
-                return {"kernels": "gdn_layer", "parallel": "gdn_layer"}.get(key, key) + " (Python)"
+        path = name.split(".py(")[0] + "/"
+        if path.startswith(_REPO + "/"):    # this checkout (editable install)
+            return "gdn_layer (Python)"
+        for key in _PACKAGES:               # site-packages frames are named from their package, others in full
+            if path.startswith(key + "/") or f"/{key}/" in path:
+                return key + " (Python)"
         return "other Python"
     if name.startswith("<built-in") or name.startswith("<method"):
         return "builtins called from Python"
@@ -110,12 +118,19 @@ def python_profile(call, calls: int, top: int, sync=None) -> dict:
     and the same summed per package (``_where``), which it also returns (ms per call).
     ``sync``: waits for the device (default ``torch.cuda.synchronize``)."""
     sync = torch.cuda.synchronize if sync is None else sync
-    sync()
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        for _ in range(calls):
-            call()
+    for attempt in range(3):
         sync()
-    rows = [(e.key, e.self_cpu_time_total / calls / 1e3, e.count / calls) for e in prof.key_averages()]
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+            for _ in range(calls):
+                call()
+            sync()
+        try:
+            averages = prof.key_averages()
+            break
+        except UnicodeDecodeError:   # torch's profiler now and then fails to decode an event name: profile again
+            if attempt == 2:
+                raise
+    rows = [(e.key, e.self_cpu_time_total / calls / 1e3, e.count / calls) for e in averages]
     total = sum(ms for _, ms, _ in rows)
     per = {}
     for name, ms, _ in rows:

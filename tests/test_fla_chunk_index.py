@@ -8,11 +8,14 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from gdn_layer.kernels import fla_backend
 from gdn_layer.kernels.fla_backend import CHUNK, chunk_index
 
 HERE = Path(__file__).resolve().parent
@@ -115,3 +118,68 @@ def test_fla_tensor_cache_is_off_inside_a_capture_only(capturing):
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["seen"] == [capturing] * 4          # chunk forward: 1 call; backward: 3
     assert result["after"] is False                    # put back after each call
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    """``fla.utils`` with only the switch, and every call counted as made during a capture."""
+    fla, utils = types.ModuleType("fla"), types.ModuleType("fla.utils")
+    fla.utils = utils
+    utils.FLA_DISABLE_TENSOR_CACHE = False
+    monkeypatch.setitem(sys.modules, "fla", fla)
+    monkeypatch.setitem(sys.modules, "fla.utils", utils)
+    monkeypatch.setattr(fla_backend.cu_cache, "capturing", lambda t: True)
+    return utils
+
+
+def test_an_exception_inside_a_capture_call_puts_the_switch_back(fake_fla):
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        with fla_backend._fla_cache_off_in_capture(torch.zeros(1)):
+            assert fake_fla.FLA_DISABLE_TENSOR_CACHE is True
+            raise RuntimeError("kernel failed")
+    assert fake_fla.FLA_DISABLE_TENSOR_CACHE is False
+
+
+def test_a_user_set_switch_is_left_as_it_was(fake_fla):
+    fake_fla.FLA_DISABLE_TENSOR_CACHE = True          # FLA_DISABLE_TENSOR_CACHE=1 in the environment
+    with fla_backend._fla_cache_off_in_capture(torch.zeros(1)):
+        pass
+    assert fake_fla.FLA_DISABLE_TENSOR_CACHE is True
+
+
+def test_the_policy_wrapper_takes_tensors_given_as_keywords():
+    """An all-keyword call: a bare next() over the positional arguments raised StopIteration, which map()
+    or a generator silently reads as 'no more items' (0 results for 2 calls, no error)."""
+    seen = []
+    wrapped = fla_backend._fla_cache_policy(lambda q, k: seen.append(q.shape) or q)
+    q = torch.zeros(2)
+    out = list(map(lambda kw: wrapped(**kw), [dict(q=q, k=q)] * 2))
+    assert len(out) == 2 and len(seen) == 2
+
+
+def test_two_overlapping_captures_on_two_threads_keep_the_cache_off_until_both_end(fake_fla):
+    """Thread A enters, thread B enters, A leaves while B still captures: B's fla calls must still see the
+    cache off, and the switch must be back to False after both (it was set True for good)."""
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with fla_backend._fla_cache_off_in_capture(torch.zeros(1)):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with fla_backend._fla_cache_off_in_capture(torch.zeros(1)):
+            b_in.set()
+            a_out.wait(10)
+            seen["B after A left"] = fake_fla.FLA_DISABLE_TENSOR_CACHE
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    seen["after both"] = fake_fla.FLA_DISABLE_TENSOR_CACHE
+    assert seen == {"B after A left": True, "after both": False}

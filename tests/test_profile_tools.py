@@ -61,7 +61,11 @@ def test_analyse_splits_steps_and_separates_nccl_from_compute(tmp_path):
     ("/tmp/site/fla/ops/utils/cache.py(374): run", "fla (Python)"),
     ("/opt/venv/lib/python3.12/site-packages/torch/_library/autograd.py(73): backward", "torch/_library (Python)"),
     ("/tmp/pkg/gdn_layer/kernels/ops.py(47): <genexpr>", "gdn_layer (Python)"),
-    ("kernels/varlen.py(113): __init__", "gdn_layer (Python)"),
+    (str(Path(__file__).resolve().parent.parent / "kernels" / "ops.py") + "(140): op", "gdn_layer (Python)"),
+    ("flash_qla/ops/chunk.py(10): chunk_fwd", "flash_qla (Python)"),     # (not fla's: whole path components)
+    ("fla/ops/utils/index.py(40): wrapper", "fla (Python)"),
+    ("torch/nn/parallel/distributed.py(1600): forward", "other Python"),
+    ("kernels/layer.py(3): forward", "other Python"),                   # a site-packages `kernels`, not ours
     ("aten::mm", "aten ops (dispatch, allocation)"),
     ("cudaLaunchKernel", "CUDA runtime calls"),
     ("<built-in method apply of FunctionMeta object at 0x7f>", "builtins called from Python"),
