@@ -118,6 +118,7 @@ def test_fla_tensor_cache_is_off_inside_a_capture_only(capturing):
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["seen"] == [capturing] * 4          # chunk forward: 1 call; backward: 3
     assert result["after"] is False                    # put back after each call
+    assert result["fla_reads_the_switch"]              # (an fla upgrade that stops reading it would show here)
 
 
 @pytest.fixture
