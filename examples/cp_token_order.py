@@ -138,6 +138,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
+    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        ap.error("this example starts its own cp x sp gloo ranks: run it with plain python, not torchrun "
+                 "(python examples/cp_token_order.py --cp 2 --sp 2)")
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:

@@ -271,6 +271,8 @@ def main(argv=None):
     ap.add_argument("--label", default="", help="a name printed in each row (e.g. 'before' / 'after')")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
+    from _requires import require_cuda
+    require_cuda("bench_host_cost.py", fla=args.layer == "fla")
     from gdn_layer import GatedDeltaNet
     rows = []
     print("| label | shape | T | docs | launches | host ms | GPU busy ms | wall ms |\n|---|---|---|---|---|---|---|---|",

@@ -161,6 +161,8 @@ def compare_fla(x, w, b, cu, init, dy):
 
 
 if __name__ == "__main__":
+    from _requires import require_cuda
+    require_cuda("bench_triton_conv.py")
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     check_against_reference()
     check_recompiles_and_syncs()

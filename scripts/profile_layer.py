@@ -21,6 +21,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=22)
     args = ap.parse_args()
+    from _requires import require_cuda
+    require_cuda("profile_layer.py", fla=True)
     from fla.layers import GatedDeltaNet as FlaGDN
 
     from gdn_layer import GatedDeltaNet

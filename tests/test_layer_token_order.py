@@ -305,3 +305,12 @@ def test_example_hybrid_on_cp2_trains_like_one_process(pool2, one_process_losses
 def test_example_hybrid_on_four_ranks_trains_like_one_process(pool4, one_process_losses, cp, sp):
     for losses in pool4.run(cp_token_order.train, cp, sp, STEPS, timeout=180):
         assert _close(losses, one_process_losses), (losses, one_process_losses)
+
+
+@pytest.mark.parametrize("variable", ["LOCAL_RANK", "TORCHELASTIC_RUN_ID"])
+def test_example_refuses_a_torchrun_launch(monkeypatch, capsys, variable):
+    """It starts its own ranks: under torchrun each launched process would start its own set and wait."""
+    monkeypatch.setenv(variable, "0")
+    with pytest.raises(SystemExit) as exc:
+        cp_token_order.main(["--cp", "2"])
+    assert exc.value.code == 2 and "not torchrun" in capsys.readouterr().err

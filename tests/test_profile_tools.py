@@ -89,3 +89,25 @@ def test_python_profile_attributes_a_layer_call_on_the_cpu(capsys):
     total = float(out.split("(total ")[1].split(" ms")[0])
     assert abs(sum(per.values()) - total) <= 0.01 * total + 0.01
     assert per.get("gdn_layer (Python)", 0) > 0 and per.get("aten ops (dispatch, allocation)", 0) > 0
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("command", [
+    ["scripts/bench_host_cost.py", "--shapes", "ft", "--T", "2048"],
+    ["scripts/probe_graph_capture.py"],
+    ["scripts/bench_triton_conv.py", "--quick"],
+    ["scripts/profile_layer.py"],
+    ["examples/bench_vs_fla.py", "--T", "2048"],
+])
+def test_gpu_scripts_refuse_a_machine_without_cuda_by_name(command):
+    """Where no CUDA GPU is visible (this CI machine), each GPU measurement says so in one line, instead of
+    a traceback from inside torch or an ImportError of fla."""
+    import subprocess
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the scripts run there")
+    p = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "needs a CUDA GPU (none is visible)" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
