@@ -22,7 +22,11 @@ derived from an earlier call's is reused), unless ``--same-cu``.
     python scripts/bench_host_cost.py [--backend auto] [--T 2048 8192 32768] [--json out.json] [--top 0]
 
 ``--top N`` also prints the N host ops with the largest self CPU time and the N most launched kernels
-of the first shape and length.
+of the first shape and length. ``--pyprof N`` runs N more calls under torch.profiler's Python tracer and
+prints the self host time per Python function and op, and summed per package (``_where``: triton, fla,
+flash_qla, torch's custom-op and autograd glue, this project, aten ops, CUDA runtime calls); the tracer
+slows Python down, so read the shares. ``--breakdown`` times the bodies of the backend functions.
+Needs a CUDA GPU (``_requires.require_cuda``; ``--layer fla`` also fla-core).
 """
 from __future__ import annotations
 
