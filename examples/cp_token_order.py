@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
-    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:   # (torchrun sets both)
         ap.error("this example starts its own cp x sp gloo ranks: run it with plain python, not torchrun "
                  "(python examples/cp_token_order.py --cp 2 --sp 2)")
     import socket

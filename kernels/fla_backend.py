@@ -127,7 +127,7 @@ def _fla_cache_off_in_capture(t: torch.Tensor):
     with _switch_lock:
         if _switch["depth"] == 0:
             _switch["before"] = getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False)
-            fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = True   # (at every entry: someone may have switched it back meanwhile)
         _switch["depth"] += 1
     try:
         yield

@@ -91,6 +91,19 @@ def backend_host_ms(call, iters: int) -> dict:
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OURS = tuple(os.path.join(_REPO, d) + os.sep for d in ("gdn_layer", "kernels", "parallel"))
+
+
+def _resolve(path: str) -> str:
+    """The absolute file of a frame name: torch's tracer cuts any ``sys.path`` prefix off (a checkout on
+    ``PYTHONPATH`` gives ``kernels/ops.py``), so a relative name is looked up along ``sys.path``."""
+    if os.path.isabs(path):
+        return path
+    for root in sys.path:
+        candidate = os.path.join(os.path.abspath(root or "."), path)
+        if os.path.isfile(candidate):
+            return candidate
+    return path
 _PACKAGES = ("triton", "fla", "flash_qla", "tilelang", "torch/_library", "torch/autograd", "torch/_ops",
              "torch/_dynamo", "torch/utils", "gdn_layer")
 
@@ -100,9 +113,9 @@ def _where(name: str) -> str:
     frame of ``flash_qla/`` is not fla's; this checkout's files are ``gdn_layer``'s), an aten op, a CUDA
     runtime call."""
     if ".py(" in name:
-        path = name.split(".py(")[0] + "/"
-        if path.startswith(_REPO + "/"):    # this checkout (editable install)
+        if _resolve(name.split(".py(")[0] + ".py").startswith(_OURS):   # this checkout's package folders
             return "gdn_layer (Python)"
+        path = name.split(".py(")[0] + "/"
         for key in _PACKAGES:               # site-packages frames are named from their package, others in full
             if path.startswith(key + "/") or f"/{key}/" in path:
                 return key + " (Python)"

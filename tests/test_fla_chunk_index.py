@@ -184,3 +184,11 @@ def test_two_overlapping_captures_on_two_threads_keep_the_cache_off_until_both_e
         t.join(20)
     seen["after both"] = fake_fla.FLA_DISABLE_TENSOR_CACHE
     assert seen == {"B after A left": True, "after both": False}
+
+
+def test_a_capture_call_switches_the_cache_off_again_if_it_was_switched_back_meanwhile(fake_fla):
+    with fla_backend._fla_cache_off_in_capture(torch.zeros(1)):
+        fake_fla.FLA_DISABLE_TENSOR_CACHE = False                  # someone else, while a capture is open
+        with fla_backend._fla_cache_off_in_capture(torch.zeros(1)):
+            assert fake_fla.FLA_DISABLE_TENSOR_CACHE is True
+    assert fake_fla.FLA_DISABLE_TENSOR_CACHE is False

@@ -307,10 +307,11 @@ def test_example_hybrid_on_four_ranks_trains_like_one_process(pool4, one_process
         assert _close(losses, one_process_losses), (losses, one_process_losses)
 
 
-@pytest.mark.parametrize("variable", ["LOCAL_RANK", "TORCHELASTIC_RUN_ID"])
-def test_example_refuses_a_torchrun_launch(monkeypatch, capsys, variable):
-    """It starts its own ranks: under torchrun each launched process would start its own set and wait."""
-    monkeypatch.setenv(variable, "0")
+@pytest.mark.parametrize("variable, value", [("TORCHELASTIC_RUN_ID", "none"), ("WORLD_SIZE", "2")])
+def test_example_refuses_a_torchrun_launch(monkeypatch, capsys, variable, value):
+    """It starts its own ranks: under torchrun each launched process would start its own set and wait.
+    (A LOCAL_RANK alone, as a SLURM script may export, is no torchrun launch: not refused.)"""
+    monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as exc:
         cp_token_order.main(["--cp", "2"])
     assert exc.value.code == 2 and "not torchrun" in capsys.readouterr().err

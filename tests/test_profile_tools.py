@@ -75,6 +75,70 @@ def test_host_time_is_attributed_to_the_package_of_each_frame(name, where):
     assert bench_host_cost._where(name) == where
 
 
+def test_frames_named_from_a_checkout_on_the_path_are_the_layers(monkeypatch):
+    """torch's tracer cuts a ``sys.path`` prefix off: with this checkout on the path (``PYTHONPATH=.``) our
+    frames read ``kernels/ops.py(...)``; the checkout's tests and scripts are not the layer's."""
+    import bench_host_cost
+    root = str(Path(__file__).resolve().parent.parent)
+    monkeypatch.syspath_prepend(root)
+    assert bench_host_cost._where("kernels/ops.py(140): op") == "gdn_layer (Python)"
+    assert bench_host_cost._where("parallel/heads.py(20): k_heads") == "gdn_layer (Python)"
+    assert bench_host_cost._where("tests/oracle.py(10): rel_err") == "other Python"
+    assert bench_host_cost._where("kernels/layer.py(3): forward") == "other Python"   # no such file of ours
+
+
+def test_python_profile_profiles_again_when_torch_cannot_decode_a_name(monkeypatch, capsys):
+    """torch's profiler now and then raises UnicodeDecodeError from key_averages(): profiled again (up to 3
+    times in all), then the error is raised."""
+    import bench_host_cost
+    failures = {"left": 0}
+    real = bench_host_cost.profile
+
+    class Flaky:
+        def __init__(self, *a, **k):
+            self.prof = real(*a, **k)
+
+        def __enter__(self):
+            self.prof.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.prof.__exit__(*exc)
+
+        def key_averages(self):
+            if failures["left"]:
+                failures["left"] -= 1
+                raise UnicodeDecodeError("utf-8", b"\x94", 0, 1, "invalid start byte")
+            return self.prof.key_averages()
+
+    monkeypatch.setattr(bench_host_cost, "profile", Flaky)
+    calls = []
+    failures["left"] = 2
+    per = bench_host_cost.python_profile(lambda: calls.append(1), 1, 1, sync=lambda: None)
+    assert len(calls) == 3 and isinstance(per, dict)            # two failed profiles, the third one read
+    failures["left"] = 3
+    with pytest.raises(UnicodeDecodeError):
+        bench_host_cost.python_profile(lambda: calls.append(1), 1, 1, sync=lambda: None)
+
+
+def test_the_fla_refusals_name_fla_core(monkeypatch):
+    """With a GPU but no fla-core importable, the scripts that compare with fla say so (not an ImportError)."""
+    import importlib.util
+
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fla" else real_find_spec(name, *a))
+    import _requires
+    with pytest.raises(SystemExit, match="fla-core, which is not importable"):
+        _requires.require_cuda("x.py", fla=True)
+    _requires.require_cuda("x.py")                                # no fla needed: passes
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))
+    import bench_vs_fla
+    with pytest.raises(SystemExit, match="fla-core, which is not importable"):
+        bench_vs_fla.main(["--T", "2048"])
+
+
 def test_python_profile_attributes_a_layer_call_on_the_cpu(capsys):
     """The shares add up to the whole self time, and the layer's own Python and the aten ops are among them."""
     import torch
