@@ -83,7 +83,7 @@ def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | N
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must hold at least 2 entries (one sequence), got {cu_seqlens.numel()}")
     target = torch.device(device) if device is not None else cu_seqlens.device
-    if cu_seqlens.device != target and target.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if cu_seqlens.device != target and capturing(target):
         raise ValueError(f"{name} must be on {target} during a CUDA graph capture, got a {cu_seqlens.device} "
                          "tensor: its values would be copied once, at capture, and a replay would not see a "
                          "new packing (keep a device cu_seqlens buffer and copy_ each packing into it)")

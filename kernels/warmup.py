@@ -104,7 +104,6 @@ def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
 
 def _run_jobs(layer, dtype, jobs) -> None:
     from gdn_layer.layer import GatedDeltaNet  # imported here to keep kernels/ standalone
-    from gdn_layer.state import GDNState
     # through the module's __call__ (its hooks run: FSDP2 gathers sharded parameters there), with the
     # layer's own forward: a transformers-interface subclass (gdn_layer.hf) takes the model's cache instead
     # of state / output_state but runs the same kernels, so GatedDeltaNet.forward stands in on the instance
