@@ -19,26 +19,36 @@ from gdn_layer.kernels import registry
 from gdn_layer.kernels.registry import Backend
 from gdn_layer.kernels.validation import skip_value_checks
 E = torch.empty_like
-def chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None, use_qk_l2norm=False):
-    return E(v), None
-def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
-    return E(q), E(k), E(v), E(g, dtype=torch.float32), E(beta), None
-def conv(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
-    return E(x), None
-def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):
-    return E(x), E(weight), None, None
-def gate(a, b, A_log, dt_bias):
-    return E(a, dtype=torch.float32), E(b)
-def gate_bwd(dg, dbeta, a, b, A_log, dt_bias):
-    return E(a), E(b), E(A_log), E(dt_bias)
-def norm(x, z, weight, eps=1e-6):
-    return E(x)
-def norm_bwd(dy, x, z, weight, eps=1e-6):
-    return E(x), E(z), E(weight)
-registry.register_backend(Backend(name="null", chunk_gated_delta_rule=chunk, recurrent_gated_delta_rule=chunk,
-    causal_conv1d=conv, gated_rms_norm=norm, available=lambda d: (True, ""), priority=-1, gdn_gate=gate,
-    chunk_gated_delta_rule_bwd=chunk_bwd, causal_conv1d_bwd=conv_bwd, gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd,
-    dense_as_packed=True))
+
+
+def alloc_only_backend(name: str = "null") -> Backend:
+    """A backend whose functions only allocate their outputs (final states and initial-state gradients
+    too, when asked for): what runs is the layer's own work around the kernels. Also the stand-in of
+    ``tests/test_host_path.py``. Not registered: ``registry.register_backend(alloc_only_backend())``."""
+    def chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
+              use_qk_l2norm=False):
+        N = q.shape[0] if cu is None else cu.numel() - 1
+        return E(v), (q.new_empty(N, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+                      if output_final_state else None)
+
+    def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
+        return E(q), E(k), E(v), E(g, dtype=torch.float32), E(beta), (None if initial_state is None else E(initial_state))
+
+    def conv(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
+        N = x.shape[0] if cu is None else cu.numel() - 1
+        return E(x, memory_format=torch.contiguous_format), (
+            x.new_empty(N, x.shape[2], weight.shape[1] - 1, dtype=torch.float32) if output_final_state else None)
+
+    def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):
+        return E(x), E(weight), None, (None if initial_state is None else E(initial_state))
+
+    return Backend(
+        name=name, chunk_gated_delta_rule=chunk, recurrent_gated_delta_rule=chunk, causal_conv1d=conv,
+        gated_rms_norm=lambda x, z, weight, eps=1e-6: E(x), available=lambda d: (True, ""), priority=-1,
+        gdn_gate=lambda a, b, A_log, dt_bias: (E(a, dtype=torch.float32), E(b)), chunk_gated_delta_rule_bwd=chunk_bwd,
+        causal_conv1d_bwd=conv_bwd,
+        gdn_gate_bwd=lambda dg, dbeta, a, b, A_log, dt_bias: (E(a), E(b), E(A_log), E(dt_bias)),
+        gated_rms_norm_bwd=lambda dy, x, z, weight, eps=1e-6: (E(x), E(z), E(weight)), dense_as_packed=True)
 
 
 def main():
@@ -46,6 +56,7 @@ def main():
     ap.add_argument("--T", type=int, default=16)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    registry.register_backend(alloc_only_backend())
     torch.set_num_threads(1)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     # a tiny layer: on the CPU the aten ops' own compute stays negligible next to the host overhead

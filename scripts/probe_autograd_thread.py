@@ -48,7 +48,9 @@ def main():
     from gdn_layer.kernels.validation import skip_value_checks
     dev = "cuda"
     if args.layer == "null":
-        import bench_null_backend  # noqa: F401  (registers the "null" backend)
+        from bench_null_backend import alloc_only_backend
+        from gdn_layer.kernels import registry
+        registry.register_backend(alloc_only_backend())
         layer = GatedDeltaNet(64, 2, 4, 16, 16, backend="null", device=dev)
         x = torch.randn(1, 16, 64, requires_grad=True, device=dev)
         cu = torch.tensor([0, 8, 16], device=dev)

@@ -8,7 +8,8 @@ cost a fill, a copy and an add per call on the device for nothing.
 """
 from __future__ import annotations
 
-import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,38 +19,16 @@ from gdn_layer import GatedDeltaNet, GDNState
 from gdn_layer.kernels import registry
 from gdn_layer.kernels.validation import skip_value_checks
 
-E = torch.empty_like
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
 ZERO_FILLS = {"zeros", "zeros_like", "zero_", "fill_", "new_zeros", "slice_backward", "select_backward",
               "index_put", "index_put_"}
 
 
 @pytest.fixture(scope="module")
 def alloc_only_backend():
-    def chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
-              use_qk_l2norm=False):
-        N = cu.numel() - 1
-        return E(v), (q.new_empty(N, v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
-                      if output_final_state else None)
-
-    def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
-        return E(q), E(k), E(v), E(g), E(beta), (None if initial_state is None else E(initial_state))
-
-    def conv(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
-        N = cu.numel() - 1
-        return E(x, memory_format=torch.contiguous_format), (
-            x.new_empty(N, x.shape[2], weight.shape[1] - 1, dtype=torch.float32) if output_final_state else None)
-
-    def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):
-        return E(x), E(weight), None, (None if initial_state is None else E(initial_state))
-
-    base = registry.backend_by_name("torch")
-    b = dataclasses.replace(
-        base, name="alloc_only", priority=-9, dense_as_packed=True,
-        chunk_gated_delta_rule=chunk, chunk_gated_delta_rule_bwd=chunk_bwd, causal_conv1d=conv,
-        causal_conv1d_bwd=conv_bwd, gdn_gate=lambda a, b, A_log, dt_bias: (E(a, dtype=torch.float32), E(b)),
-        gdn_gate_bwd=lambda dg, dbeta, a, b, A_log, dt_bias: (E(a), E(b), E(A_log), E(dt_bias)),
-        gated_rms_norm=lambda x, z, weight, eps=1e-6: E(x),
-        gated_rms_norm_bwd=lambda dy, x, z, weight, eps=1e-6: (E(x), E(z), E(weight)))
+    from bench_null_backend import alloc_only_backend as make   # (scripts/: the benchmark's stand-in)
+    b = make("alloc_only")
     registry.register_backend(b)
     yield b.name
     registry._BACKENDS.pop(b.name)
