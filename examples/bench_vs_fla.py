@@ -14,7 +14,6 @@ unless ``FLA_FLASH_QLA=0``; set that to compare the Triton paths.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 
@@ -32,12 +31,8 @@ def main(argv=None):
     ap.add_argument("--layers", nargs="+", default=["ours", "fla"], choices=["ours", "fla"],
                     help="with --max-tokens: which layers to search")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_vs_fla.py times CUDA kernels: it needs a CUDA GPU (none is visible). On the GPU "
-                         "machine scripts/gpu_session.sh runs it (steps vs_fla, vs_fla_auto).")
-    if importlib.util.find_spec("fla") is None:
-        raise SystemExit("bench_vs_fla.py compares with fla-core, which is not importable: scripts/setup.sh "
-                         "installs it in .venv/fla-site, off the default path; add PYTHONPATH=.venv/fla-site.")
+    from requires import require_cuda
+    require_cuda("bench_vs_fla.py", fla=True)
     if args.max_tokens:
         return max_tokens(args)
     H, HK, HV, D, dt = 2048, 16, 32, 128, torch.bfloat16

@@ -55,8 +55,8 @@ def main(argv=None):
     caches = {"triton": os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton_")),
               "tilelang": os.environ.setdefault("TILELANG_CACHE_DIR", tempfile.mkdtemp(prefix="tilelang_"))}
     import torch
-    if not torch.cuda.is_available():
-        raise SystemExit("compile_check.py measures the CUDA backends: it needs a CUDA GPU (none is visible)")
+    from requires import require_cuda
+    require_cuda("compile_check.py")
     import triton
 
     from gdn_layer import GatedDeltaNet

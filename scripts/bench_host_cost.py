@@ -26,7 +26,7 @@ of the first shape and length. ``--pyprof N`` runs N more calls under torch.prof
 prints the self host time per Python function and op, and summed per package (``_where``: triton, fla,
 flash_qla, torch's custom-op and autograd glue, this project, aten ops, CUDA runtime calls); the tracer
 slows Python down, so read the shares. ``--breakdown`` times the bodies of the backend functions.
-Needs a CUDA GPU (``_requires.require_cuda``; ``--layer fla`` also fla-core).
+Needs a CUDA GPU (``examples/requires.py``; ``--layer fla`` also fla-core).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # graph_step
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # graph_step, requires
 
 SHAPES = {"ft": (576, 4, 8, 64), "qwen3next": (2048, 16, 32, 128)}
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
@@ -288,7 +288,7 @@ def main(argv=None):
     ap.add_argument("--label", default="", help="a name printed in each row (e.g. 'before' / 'after')")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
-    from _requires import require_cuda
+    from requires import require_cuda
     require_cuda("bench_host_cost.py", fla=args.layer == "fla")
     from gdn_layer import GatedDeltaNet
     rows = []

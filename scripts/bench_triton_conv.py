@@ -9,6 +9,7 @@
    (C = 8192, W = 4, bf16, 32k packed tokens, x a channel slice of a wider buffer), per block config,
    against the bytes each must move at the measured copy bandwidth.
 """
+import os
 import sys
 
 import torch
@@ -161,7 +162,8 @@ def compare_fla(x, w, b, cu, init, dy):
 
 
 if __name__ == "__main__":
-    from _requires import require_cuda
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from requires import require_cuda
     require_cuda("bench_triton_conv.py")
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     check_against_reference()

@@ -44,7 +44,7 @@ def main(argv=None):
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--n-max", type=int, default=16)
     args = ap.parse_args(argv)
-    from _requires import require_cuda
+    from requires import require_cuda
     require_cuda("probe_graph_capture.py")
     from graph_step import capture
     from profile_finetune import sync_sources

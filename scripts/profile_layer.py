@@ -7,10 +7,14 @@ top kernels by total CUDA time per step, and the sum over all kernels. Needs CUD
     FLA_FLASH_QLA=0 python3 scripts/profile_layer.py --backend fla --T 32768 --docs 9
 """
 import argparse
+import os
 import random
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # requires
 
 
 def main():
@@ -21,7 +25,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=22)
     args = ap.parse_args()
-    from _requires import require_cuda
+    from requires import require_cuda
     require_cuda("profile_layer.py", fla=True)
     from fla.layers import GatedDeltaNet as FlaGDN
 

@@ -129,11 +129,11 @@ def test_the_fla_refusals_name_fla_core(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fla" else real_find_spec(name, *a))
-    import _requires
-    with pytest.raises(SystemExit, match="fla-core, which is not importable"):
-        _requires.require_cuda("x.py", fla=True)
-    _requires.require_cuda("x.py")                                # no fla needed: passes
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))
+    import requires
+    with pytest.raises(SystemExit, match="fla-core, which is not importable"):
+        requires.require_cuda("x.py", fla=True)
+    requires.require_cuda("x.py")                                 # no fla needed: passes
     import bench_vs_fla
     with pytest.raises(SystemExit, match="fla-core, which is not importable"):
         bench_vs_fla.main(["--T", "2048"])
@@ -164,6 +164,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ["scripts/bench_triton_conv.py", "--quick"],
     ["scripts/profile_layer.py"],
     ["examples/bench_vs_fla.py", "--T", "2048"],
+    ["examples/compile_check.py"],
 ])
 def test_gpu_scripts_refuse_a_machine_without_cuda_by_name(command):
     """Where no CUDA GPU is visible (this CI machine), each GPU measurement says so in one line, instead of

@@ -1,5 +1,6 @@
-"""What the GPU measurement scripts need, checked before they start: a message naming the missing piece
-instead of a traceback deep inside torch (a CPU-only torch) or an ImportError (fla-core off the path)."""
+"""What the GPU benchmarks and measurement scripts (examples/ and scripts/) need, checked before they start:
+a message naming the missing piece instead of a traceback deep inside torch (a CPU-only torch) or an
+ImportError (fla-core off the path)."""
 from __future__ import annotations
 
 import importlib.util
