@@ -196,7 +196,11 @@ def main(argv=None):
     ap.add_argument("--layouts", type=int, default=len(LAYOUTS), help="how many of LAYOUTS to run (0: none)")
     ap.add_argument("--negative-control", action="store_true")
     ap.add_argument("--grid-check", type=int, nargs=2, action="append", metavar=("T", "N"))
+    ap.add_argument("--kill-adapter-on", metavar="KERNEL",
+                    help="make triton-adapter-opt die by SIGSEGV whenever it lowers KERNEL (the retry's test)")
     args = ap.parse_args(argv)
+    if args.kill_adapter_on:
+        fake_npu_driver.kill_adapter_on(args.kill_adapter_on)
     stand_in_npu_tensors_and_options()
     import fla.utils
     from importlib.metadata import version
@@ -209,6 +213,7 @@ def main(argv=None):
         res["lowered"] = RECORD.lowered
     if args.grid_check:
         res["grids"] = grid_run(args)
+    res["adapter_crashes"] = RECORD.adapter_crashes     # lowerings run again (fake_npu_driver.retry_on_signal)
     print("RESULT " + json.dumps(res), flush=True)
 
 

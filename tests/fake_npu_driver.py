@@ -17,6 +17,8 @@ Used by ``tests/ascend_probe.py``.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import sys
 import types
 
@@ -39,6 +41,7 @@ class Record:
         self.launches: list[dict] = []     # {"kernel", "grid"}
         self.lowered: dict[str, str] = {}   # kernel name -> mix_mode of its ttadapter module ("aiv": vector
         #                                     cores only, "mix": cube and vector)
+        self.adapter_crashes: list[dict] = []   # {"kernel", "signal"}: a lowering retried (see below)
 
 
 RECORD = Record()
@@ -79,6 +82,54 @@ class FakeNPUDriver(NoDeviceDriver, DriverBase):
 
     def get_device_interface(self):
         return torch.npu
+
+
+# triton-ascend 3.2.0's ``triton-adapter-opt`` reads freed memory in its ``--triton-to-unstructure`` pass on
+# fla-core's fused recurrent kernel: run under ``MALLOC_PERTURB_=165`` it segfaults every time; without, it
+# is killed by glibc ("corrupted size vs. prev_size", SIGABRT) about once in a few hundred runs, and its
+# output is otherwise the same byte for byte. A lowering whose tool died by a signal is run again; a
+# lowering that fails with the tool's own error (an exit code) is not. Each retry is recorded.
+ADAPTER_ATTEMPTS = 4
+
+
+def retry_on_signal(lower, kernel, crashes: list, attempts: int = ADAPTER_ATTEMPTS):
+    """Call ``lower()``; when it raises ``subprocess.CalledProcessError`` for a process killed by a
+    signal (negative return code), append ``{"kernel": kernel(), "signal"}`` to ``crashes`` and call it
+    again, at most ``attempts`` times in all. Any other error, and the last crash, propagate."""
+    import subprocess
+    for attempt in range(1, attempts + 1):
+        try:
+            return lower()
+        except subprocess.CalledProcessError as e:
+            if e.returncode >= 0:
+                raise
+            crashes.append({"kernel": kernel(), "signal": -e.returncode})
+            print(f"{e.cmd[0] if isinstance(e.cmd, (list, tuple)) else e.cmd} died by signal {-e.returncode} "
+                  f"lowering {crashes[-1]['kernel']} (attempt {attempt} of {attempts})", file=sys.stderr)
+            if attempt == attempts:
+                raise
+
+
+_ASCEND_COMPILER: dict = {}     # the globals of triton-ascend's compiler module (its own copy; install())
+
+
+def kill_adapter_on(kernel: str) -> None:
+    """For the retry's test: put a script in front of ``triton-adapter-opt`` that kills itself with
+    SIGSEGV when the module it is given defines ``kernel``, and runs the real tool otherwise."""
+    import stat
+    import tempfile
+    module = _ASCEND_COMPILER            # triton-ascend's compiler module, as install() found it
+    real = module["_get_triton_adapter_opt_path"]()
+    script = os.path.join(tempfile.mkdtemp(prefix="gdn_adapter_"), "triton-adapter-opt")
+    with open(script, "w") as f:
+        f.write(f'#!/bin/sh\ngrep -q "@{kernel}(" "$1" && kill -SEGV $$\nexec "{real}" "$@"\n')
+    os.chmod(script, os.stat(script).st_mode | stat.S_IXUSR)
+    module["_get_triton_adapter_opt_path"] = lambda: script
+
+
+def _kernel_name(ttir) -> str:
+    m = re.search(r"tt\.func (?:public |private )?@([\w$.]+)", str(ttir))
+    return m.group(1) if m else "?"
 
 
 def _npubin_stub(linalg: str, metadata: dict, opt):
@@ -124,9 +175,14 @@ def install() -> Record:
         add_stages(self, stages, options)
         if "ttadapter" not in stages:
             raise RuntimeError("triton-ascend did not add the ttadapter stage (force_simt_only?)")
+        lower = stages["ttadapter"]
+        stages["ttadapter"] = lambda src, metadata: retry_on_signal(
+            lambda: lower(src, metadata), lambda: _kernel_name(src), RECORD.adapter_crashes)
         stages["npubin"] = lambda src, metadata: _npubin_stub(src, metadata, options)
 
     ascend.add_stages = add_stages_stubbed
+    global _ASCEND_COMPILER
+    _ASCEND_COMPILER = add_stages.__globals__
 
     def compiled(*args, **kwargs):
         fn = kwargs.get("fn")
