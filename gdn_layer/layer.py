@@ -12,7 +12,7 @@ from gdn_layer import hf_blocks, kernels
 from gdn_layer.checks import check_config, check_inputs
 from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.derived import derived_from_sizes
-from gdn_layer.kernels import causal_conv1d, chunk_gated_delta_rule, gdn_gate, recurrent_gated_delta_rule
+from gdn_layer.kernels import causal_conv1d_split, chunk_gated_delta_rule, gdn_gate, recurrent_gated_delta_rule
 from gdn_layer.kernels.validation import skip_value_checks
 from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import (gather_heads, head_to_seq, partition_heads, project_seq_to_head, resolve_sp_group,
@@ -324,27 +324,13 @@ class GatedDeltaNet(nn.Module):
         weight = conv_weight(self.conv1d).squeeze(1)
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
-        widths = [hk * Dk, hk * Dk, hv * Dv]
-        if not _is_decode(mixed, cu):
-            # training / prefill: one conv per q, k, v channel group, each reading its slice of mixed in
-            # place and writing a contiguous output, which the chunk kernels take as is (one conv of all
-            # channels returns column slices, and v would be copied in the forward and again in the
-            # backward; its gradient would be concatenated back). One split of mixed and one of the
-            # weight: each backward writes the whole gradient with one concatenation.
-            *xs, a, b = mixed.split([*widths, hv, hv], -1)
-            states = [None] * 3 if initial_state is None else initial_state.split(widths, 1)
-            outs = [causal_conv1d(xi, wi, None, activation="silu", cu_seqlens=cu, initial_state=si,
-                                  output_final_state=output_state, backend=self._backend)
-                    for xi, wi, si in zip(xs, weight.split(widths), states)]
-            q, k, v = (o for o, _ in outs)
-            conv_state = torch.cat([st for _, st in outs], 1) if output_state else None
-        else:
-            # decode (one token per sequence): one conv launch for all channels
-            x, a, b = mixed.split([C, hv, hv], -1)
-            qkv, conv_state = causal_conv1d(x, weight, None, activation="silu", cu_seqlens=cu,
-                                            initial_state=initial_state,
-                                            output_final_state=output_state, backend=self._backend)
-            q, k, v = qkv.split(widths, -1)
+        # one conv of the q, k, v channels (read in place from mixed) that writes q, k and v as three
+        # contiguous tensors, which the chunk kernels take as they are (column slices of one output would be
+        # copied there, forward and backward; one conv per part would cost a call and launches each)
+        x, a, b = mixed.split([C, hv, hv], -1)
+        (q, k, v), conv_state = causal_conv1d_split(x, weight, [hk * Dk, hk * Dk, hv * Dv], None, activation="silu",
+                                                    cu_seqlens=cu, initial_state=initial_state,
+                                                    output_final_state=output_state, backend=self._backend)
         return (q.unflatten(-1, (hk, Dk)), k.unflatten(-1, (hk, Dk)), v.unflatten(-1, (hv, Dv)),
                 a, b, conv_state)
 

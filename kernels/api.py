@@ -84,6 +84,40 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     return y, (final if output_final_state else None)
 
 
+def causal_conv1d_split(x, weight, split_sizes, bias=None, activation="silu", cu_seqlens=None, initial_state=None,
+                        output_final_state=False, backend="auto"):
+    """``causal_conv1d`` with its output in parts: ``y.split(split_sizes, -1)``, each part contiguous.
+
+    For the layer's q, k and v: one conv call (on the CUDA and Ascend backends, one launch per pass,
+    forward and backward) instead of one per part, and no copy to make the column slices contiguous.
+
+    Args:
+        split_sizes: 1 to 3 non-negative ints summing to C = ``x.shape[-1]``.
+        The rest: as ``causal_conv1d``.
+
+    Returns:
+        ``(ys, final_state)``: ys a list of ``[B, T, size]`` contiguous tensors in x's dtype, one per
+        entry of ``split_sizes``; final_state ``[N, C, W - 1]`` (fp32, or float64) or None.
+
+    Raises:
+        TypeError / ValueError naming the argument (``causal_conv1d``'s checks, and ``split_sizes``).
+    """
+    check_flags(output_final_state=output_final_state)
+    _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
+    if not isinstance(split_sizes, (list, tuple)) or not 1 <= len(split_sizes) <= 3 or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in split_sizes):
+        raise TypeError(f"split_sizes must be a list of 1 to 3 non-negative ints, got {split_sizes!r}")
+    if sum(split_sizes) != x.shape[-1]:
+        raise ValueError(f"split_sizes must sum to C = x.shape[-1] = {x.shape[-1]}, got {list(split_sizes)} "
+                         f"(sum {sum(split_sizes)})")
+    name = backend_name(backend, x.device)
+    activation = "silu" if activation in ("silu", "swish") else "identity"
+    sizes = [*split_sizes, *[0] * (3 - len(split_sizes))]
+    *ys, final = ops.causal_conv1d_split_op(x, weight, bias, initial_state, cu, sizes, activation,
+                                            output_final_state, name)
+    return ys[:len(split_sizes)], (final if output_final_state else None)
+
+
 def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
     """``weight * rmsnorm(x) * silu(z)`` over the last dim (Qwen3-Next's gated RMSNorm).
 

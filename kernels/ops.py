@@ -18,6 +18,9 @@ Ops (inputs already validated by ``api.py``; optional outputs come back as empty
   -> (o [B,T,Hv,Dv] v.dtype, final [N,Hv,Dk,Dv] fp32|fp64)``
 - ``causal_conv1d``: ``(x, weight, bias?, initial_state?, cu_seqlens?, activation, output_final_state,
   backend) -> (y [B,T,C] x.dtype, final [N,C,W-1] fp32|fp64)``
+- ``causal_conv1d_split``: the same with ``split_sizes`` (3 channel counts summing to C, zeros allowed)
+  after ``cu_seqlens`` -> ``(y0, y1, y2 [B,T,size_i] x.dtype, final)``: y in parts, as ``split`` and
+  ``contiguous`` would give, in one launch on a backend with ``conv_splits``
 - ``gdn_gate``: ``(a, b, A_log, dt_bias, backend) -> (g [B,T,H] fp32|fp64, beta b.dtype)``
 - ``gated_rms_norm``: ``(x, z, weight, eps, backend) -> y x.dtype``
 """
@@ -224,7 +227,14 @@ def _(x, weight, bias, initial_state, cu_seqlens, activation, output_final_state
 def causal_conv1d_bwd_op(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight: Tensor, bias: Optional[Tensor],
                          initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], activation: str,
                          output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    b = backend_by_name(backend)
+    grads = _conv_bwd(backend_by_name(backend), dy, dfinal, x, weight, bias, initial_state, cu_seqlens,
+                      activation, output_final_state)
+    return _distinct(grads, dy, dfinal, x, weight, bias, initial_state, cu_seqlens)
+
+
+def _conv_bwd(b, dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state):
+    """``(dx, dweight, dbias, dinitial)`` in the inputs' dtypes (empty for a None bias / initial state);
+    dy is a tensor, or a list of parts for a backend with ``conv_splits``."""
     if b.causal_conv1d_bwd is not None:
         dx, dw, db, dh0 = b.causal_conv1d_bwd(dy, dfinal, x, weight, bias, activation=activation, cu=cu_seqlens,
                                               initial_state=initial_state)
@@ -235,16 +245,19 @@ def causal_conv1d_bwd_op(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight
             return (y, fin) if output_final_state else (y,)
 
         dx, dw, db, dh0 = _vjp(f, (x, weight, bias, initial_state), (dy, dfinal)[:1 + output_final_state])
-    grads = (dx.to(x.dtype), dw.to(weight.dtype), _empty_like_none(None if bias is None else db.to(bias.dtype), x),
-             _empty_like_none(None if initial_state is None else dh0.to(initial_state.dtype), x))
-    return _distinct(grads, dy, dfinal, x, weight, bias, initial_state, cu_seqlens)
+    return (dx.to(x.dtype), dw.to(weight.dtype), _empty_like_none(None if bias is None else db.to(bias.dtype), x),
+            _empty_like_none(None if initial_state is None else dh0.to(initial_state.dtype), x))
+
+
+def _conv_bwd_fake(x, weight, bias, initial_state):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            x.new_empty(_EMPTY) if bias is None else bias.new_empty(bias.shape),
+            x.new_empty(_EMPTY) if initial_state is None else initial_state.new_empty(initial_state.shape))
 
 
 @causal_conv1d_bwd_op.register_fake
 def _(dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
-    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
-            x.new_empty(_EMPTY) if bias is None else bias.new_empty(bias.shape),
-            x.new_empty(_EMPTY) if initial_state is None else initial_state.new_empty(initial_state.shape))
+    return _conv_bwd_fake(x, weight, bias, initial_state)
 
 
 def _conv_setup(ctx, inputs, output):
@@ -263,6 +276,66 @@ def _conv_backward(ctx, dy, dfinal):
 
 
 causal_conv1d_op.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+@torch.library.custom_op("gdn_layer::causal_conv1d_split", mutates_args=())
+def causal_conv1d_split_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
+                           cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str,
+                           output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    b = backend_by_name(backend)
+    kwargs = dict(bias=bias, activation=activation, cu=cu_seqlens, initial_state=initial_state,
+                  output_final_state=output_final_state)
+    if b.conv_splits:
+        ys, final = b.causal_conv1d(x, weight, split_sizes=list(split_sizes), **kwargs)
+    else:
+        y, final = b.causal_conv1d(x, weight, **kwargs)
+        ys = y.split(list(split_sizes), -1)
+    dt = math_dtype(x, weight, bias, initial_state)
+    final = final.to(dt) if final is not None else x.new_empty(_EMPTY, dtype=dt)
+    return _distinct([*(y.to(x.dtype) for y in ys), final], x, initial_state)
+
+
+@causal_conv1d_split_op.register_fake
+def _(x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state, backend):
+    N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    shape = (N, x.shape[2], weight.shape[1] - 1) if output_final_state else _EMPTY
+    return (*(x.new_empty(*x.shape[:2], w) for w in split_sizes),
+            x.new_empty(shape, dtype=math_dtype(x, weight, bias, initial_state)))
+
+
+@torch.library.custom_op("gdn_layer::causal_conv1d_split_bwd", mutates_args=())
+def causal_conv1d_split_bwd_op(dy0: Tensor, dy1: Tensor, dy2: Tensor, dfinal: Optional[Tensor], x: Tensor,
+                               weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
+                               cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
+                               backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    b = backend_by_name(backend)
+    dy = [dy0, dy1, dy2] if b.conv_splits and b.causal_conv1d_bwd is not None else torch.cat([dy0, dy1, dy2], -1)
+    grads = _conv_bwd(b, dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state)
+    return _distinct(grads, dy0, dy1, dy2, dfinal, x, weight, bias, initial_state, cu_seqlens)
+
+
+@causal_conv1d_split_bwd_op.register_fake
+def _(dy0, dy1, dy2, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
+    return _conv_bwd_fake(x, weight, bias, initial_state)
+
+
+def _conv_split_setup(ctx, inputs, output):
+    x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state, backend = inputs
+    ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
+    ctx.args = (list(split_sizes), activation, output_final_state, backend)
+
+
+def _conv_split_backward(ctx, dy0, dy1, dy2, dfinal):
+    x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
+    split_sizes, activation, output_final_state, backend = ctx.args
+    dys = [x.new_zeros(*x.shape[:2], w) if d is None else d for d, w in zip((dy0, dy1, dy2), split_sizes)]
+    dx, dw, db, dh0 = causal_conv1d_split_bwd_op(*dys, dfinal if output_final_state else None, x, weight, bias,
+                                                 initial_state, cu_seqlens, activation, output_final_state, backend)
+    return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
+            None, None, None, None, None)
+
+
+causal_conv1d_split_op.register_autograd(_conv_split_backward, setup_context=_conv_split_setup)
 
 
 # ------------------------------------------------------------------------------------------------

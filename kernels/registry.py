@@ -48,6 +48,11 @@ class Backend:
     causal_conv1d_bwd: Callable | None = None
     gdn_gate_bwd: Callable | None = None
     gated_rms_norm_bwd: Callable | None = None
+    # its ``causal_conv1d`` takes ``split_sizes=`` (1-3 channel counts) and returns y as a list of that
+    # many contiguous parts, and its ``causal_conv1d_bwd`` takes dy as such a list (one launch for the
+    # layer's q, k and v; kernels/triton/conv.py). False: ``causal_conv1d_split`` runs the whole conv and
+    # splits its output
+    conv_splits: bool = False
     # run dense ``[B, T]`` delta-rule calls as a pack of B sequences of T tokens (exact): compiled
     # backends then build one (varlen) kernel variant per flag set instead of two
     dense_as_packed: bool = False

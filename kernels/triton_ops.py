@@ -40,9 +40,10 @@ def norm_bwd(dy, x, z, weight, eps=1e-6):
     return gated_rms_norm_bwd(dy, x, z, weight, None, eps)
 
 
-def conv_fwd(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
+def conv_fwd(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False,
+             split_sizes=None):
     from .triton.conv import causal_conv1d_fwd
-    return causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state)
+    return causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state, split_sizes)
 
 
 def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):

@@ -34,10 +34,12 @@ def alloc_only_backend(name: str = "null") -> Backend:
     def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
         return E(q), E(k), E(v), E(g, dtype=torch.float32), E(beta), (None if initial_state is None else E(initial_state))
 
-    def conv(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
+    def conv(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False,
+             split_sizes=None):
         N = x.shape[0] if cu is None else cu.numel() - 1
-        return E(x, memory_format=torch.contiguous_format), (
-            x.new_empty(N, x.shape[2], weight.shape[1] - 1, dtype=torch.float32) if output_final_state else None)
+        y = (E(x, memory_format=torch.contiguous_format) if split_sizes is None else
+             [x.new_empty(*x.shape[:2], w) for w in split_sizes])
+        return y, (x.new_empty(N, x.shape[2], weight.shape[1] - 1, dtype=torch.float32) if output_final_state else None)
 
     def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):
         return E(x), E(weight), None, (None if initial_state is None else E(initial_state))
@@ -48,7 +50,8 @@ def alloc_only_backend(name: str = "null") -> Backend:
         gdn_gate=lambda a, b, A_log, dt_bias: (E(a, dtype=torch.float32), E(b)), chunk_gated_delta_rule_bwd=chunk_bwd,
         causal_conv1d_bwd=conv_bwd,
         gdn_gate_bwd=lambda dg, dbeta, a, b, A_log, dt_bias: (E(a), E(b), E(A_log), E(dt_bias)),
-        gated_rms_norm_bwd=lambda dy, x, z, weight, eps=1e-6: (E(x), E(z), E(weight)), dense_as_packed=True)
+        gated_rms_norm_bwd=lambda dy, x, z, weight, eps=1e-6: (E(x), E(z), E(weight)), dense_as_packed=True,
+        conv_splits=True)
 
 
 def main():

@@ -59,15 +59,17 @@ def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=Tru
     mixed = torch.randn(1, T, C + 2 * Hv, dtype=dtype, generator=g)     # the all-to-all receive buffer
     weight = torch.randn(C, W, dtype=dtype, generator=g)
     h0 = torch.randn(N, C, W - 1)
+    # the layer's conv: q, k, v as three outputs (causal_conv1d_split), and the whole-output one
+    sizes = [Hk * D, Hk * D, Hv * D]
+    (q, k, v), fin = triton_ops.conv_fwd(mixed[..., :C], weight, None, "silu", cu, h0, True, split_sizes=sizes)
+    triton_ops.conv_bwd([q, k, v], fin, mixed[..., :C], weight, None, "silu", cu, h0)
     y, fin = triton_ops.conv_fwd(mixed[..., :C], weight, None, "silu", cu, h0, True)
     triton_ops.conv_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, h0)
     a, b = mixed[..., C:C + Hv], mixed[..., C + Hv:]
     A_log, dt_bias = torch.randn(Hv), torch.randn(Hv)
     gate, beta = triton_ops.gate_fwd(a, b, A_log, dt_bias)
     triton_ops.gate_bwd(gate, beta, a, b, A_log, dt_bias)
-    q = y[..., :Hk * D].unflatten(-1, (Hk, D))
-    k = y[..., Hk * D:2 * Hk * D].unflatten(-1, (Hk, D))
-    v = y[..., 2 * Hk * D:].unflatten(-1, (Hv, D))
+    q, k, v = q.unflatten(-1, (Hk, D)), k.unflatten(-1, (Hk, D)), v.unflatten(-1, (Hv, D))
     state = torch.randn(N, Hv, D, D)
     z = torch.randn(1, T, Hv, D, dtype=dtype, generator=g)
     if with_fla:

@@ -64,6 +64,6 @@ def test_backward_builds_no_zero_filled_parameter_gradients(alloc_only_backend, 
     with skip_value_checks(), backward:
         loss.backward()
     assert layer.conv1d.weight.grad is not None and layer.A_log.grad is not None   # the backward did run
-    assert "causal_conv1d_bwd" in backward.names and "gdn_gate_bwd" in backward.names
+    assert "causal_conv1d_split_bwd" in backward.names and "gdn_gate_bwd" in backward.names
     assert not ZERO_FILLS & set(forward.names), sorted(ZERO_FILLS & set(forward.names))
     assert not ZERO_FILLS & set(backward.names), sorted(ZERO_FILLS & set(backward.names))

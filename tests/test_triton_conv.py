@@ -178,3 +178,64 @@ def test_fp32_state_gradient_stays_fp32_accurate_with_16_bit_activations(dtype):
         torch.autograd.backward([y, fin], [cast(gy).to(dev), cast(gf).to(dev)])
         res.append(hh.grad)
     assert res[0].dtype == torch.float32 and rel_err(res[0], res[1]) <= 1e-5, rel_err(res[0], res[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# causal_conv1d_split: the output in parts (the layer's q, k, v), one launch per pass
+
+
+def _split_run(split, inp, sizes, backend, to=None, device="cpu"):
+    """Forward + backward of ``causal_conv1d_split`` (``split``) with the gradients of the parts given
+    with odd strides (transposed copies); returns (parts, final, dx, dweight, dbias, dinitial)."""
+    cast = (lambda t: t.to(device)) if to is None else (lambda t: t.to(device, to))
+    buf = cast(inp["buf"]).clone().requires_grad_()
+    x = buf[..., inp["off"]:inp["off"] + inp["C"]]
+    w, b, h0 = (cast(inp[k]).clone().requires_grad_() if inp[k] is not None else None
+                for k in ("weight", "bias", "init"))
+    cu = None if inp["cu"] is None else inp["cu"].to(device)
+    ys, fin = split(x, w, sizes, b, activation="silu", cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                    backend=backend)
+    gys = [g.to(device, ys[0].dtype).transpose(0, 1).contiguous().transpose(0, 1)
+           for g in inp["gy"].split(sizes, -1)]
+    leaves = [t for t in (buf, w, b, h0) if t is not None]
+    grads = iter(torch.autograd.grad([*ys, fin], leaves, [*gys, inp["gf"].to(device, fin.dtype)]))
+    gx = next(grads)[..., inp["off"]:inp["off"] + inp["C"]]
+    return [ys, fin, gx] + [next(grads) if t is not None else None for t in (w, b, h0)]
+
+
+@pytest.mark.parametrize("sizes", [[16, 16, 40], [10, 0, 62], [72], [30, 42], [0, 72, 0]])
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("backend", ["triton_cpu", "torch"])
+def test_split_parts_match_the_float64_reference(triton_cpu_backend, sizes, packed, backend):
+    """Parts of 0-72 channels whose boundaries fall inside a 64-channel block, packed (an empty
+    segment) and dense: each part contiguous and equal to its columns of the float64 reference; the
+    gradients from the parts' gradients (odd strides) equal the reference's."""
+    from gdn_layer.kernels import causal_conv1d_split
+    cu = [0, 5, 5, 40, 70] if packed else None
+    inp = make_inputs(1 if packed else 2, 70, 72, 4, cu=cu, seed=len(sizes))
+    got = _split_run(causal_conv1d_split, inp, sizes, backend, device=DEV if backend == "triton_cpu" else "cpu")
+    want = run(reference.causal_conv1d, inp, "silu", to=torch.float64)
+    assert len(got[0]) == len(sizes)
+    assert [tuple(y.shape) for y in got[0]] == [(inp["buf"].shape[0], 70, s) for s in sizes]
+    assert all(y.is_contiguous() and y.dtype == torch.float32 for y in got[0])
+    assert rel_err(torch.cat(got[0], -1), want[0]) <= 1e-5
+    for name, a, b in zip(["final_state", "dx", "dweight", "dbias", "dinitial"], got[1:], want[1:]):
+        assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
+def test_split_is_one_launch_per_pass(triton_cpu_backend, monkeypatch):
+    from gdn_layer.kernels import causal_conv1d_split
+    spies = {k: LaunchSpy(getattr(conv, k)) for k in ("_conv_fwd_kernel", "_conv_state_fwd_kernel", "_conv_dz_kernel",
+                                                       "_conv_dx_kernel", "_conv_state_bwd_kernel")}
+    for k, spy in spies.items():
+        monkeypatch.setattr(conv, k, spy)
+    _split_run(causal_conv1d_split, make_inputs(1, 40, 24, 4, cu=[0, 3, 40]), [8, 8, 8], "triton_cpu", device=DEV)
+    assert {k: len(s.launches) for k, s in spies.items()} == dict.fromkeys(spies, 1)
+
+
+@pytest.mark.parametrize("sizes,error", [((8, 8, 8, 0), TypeError), ([8, 8.0, 8], TypeError), ([8, True, 15], TypeError),
+                                         ([-1, 25], TypeError), ([], TypeError), (24, TypeError), ([8, 8], ValueError)])
+def test_split_sizes_are_checked(sizes, error):
+    from gdn_layer.kernels import causal_conv1d_split
+    with pytest.raises(error, match="split_sizes"):
+        causal_conv1d_split(torch.randn(1, 5, 24), torch.randn(24, 4), sizes, backend="torch")

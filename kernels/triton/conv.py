@@ -85,11 +85,30 @@ def _preact(x, init, w, bias, x_base, init_base, r, c, valid, near, cmask,
 
 
 @triton.jit
-def _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c, valid, near, cmask,
-        stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+def _parts(p0, p1, p2, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2, PARTS: tl.constexpr):
+    """Columns ``c`` of a ``[B, T, C]`` whole held as three parts ``[B, T, w_g]`` with strides
+    ``(sb_g, st_g, sc_g)`` (part g has columns ``e_{g-1} .. e_g``; ``e_{-1} = 0``): returns each column's
+    pointer at (b, t) = (0, 0) of its part, and its part's batch and token strides.
+
+    ``PARTS == 1``: one whole tensor ``p0`` (the rest ignored), addressed without a select: triton-ascend
+    3.2.0's ``triton-adapter-opt`` crashes on a select of pointers (so the ``ascend`` backend never
+    splits)."""
+    if PARTS == 1:
+        zero = tl.zeros_like(c)
+        return p0 + c * sc0, sb0 + zero, st0 + zero
+    in1 = c >= e0
+    in2 = c >= e1
+    col = c - tl.where(in2, e1, tl.where(in1, e0, 0))
+    ptr = tl.where(in2, p2 + col * sc2, tl.where(in1, p1 + col * sc1, p0 + col * sc0))
+    return ptr, tl.where(in2, sb2, tl.where(in1, sb1, sb0)), tl.where(in2, st2, tl.where(in1, st1, st0))
+
+
+@triton.jit
+def _dz(x, init, w, bias, g, x_base, init_base, r, c, valid, near, cmask,
+        stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
         W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
-    """Gradient of the pre-activation at position r of a sequence; 0 where not valid."""
-    g = tl.load(dy + dy_base + r * stride_dyt + c * stride_dyc, mask=valid, other=0.0).to(ACC)
+    """Gradient of the pre-activation at position r of a sequence, from ``g`` = dy there (0 where not
+    valid)."""
     if SILU:
         z = _preact(x, init, w, bias, x_base, init_base, r, c, valid, near, cmask,
                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
@@ -111,14 +130,16 @@ def _tile(tile, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     return b, t, c, t < T, c < C
 
 
-@triton.jit(do_not_specialize=["T", "NT", "stride_xb"])
-def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y,
-                     T, NT, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
+@triton.jit(do_not_specialize=["T", "NT", "stride_xb", "e0", "e1", "sy0b", "sy1b", "sy2b"])
+def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0t, sy0c, sy1b, sy1t, sy1c,
+                     sy2b, sy2t, sy2c, T, NT, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
                      stride_in, stride_ic, stride_ik,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                     SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                     PARTS: tl.constexpr):
     """y for token tiles p, p + P, ... (of the NT = ``cdiv(T, BLOCK_T) * B``; P programs on axis 0) and
-    channel block ``program_id(1)``; a tile is tokens [tb*BLOCK_T, +BLOCK_T) of batch row b."""
+    channel block ``program_id(1)``; a tile is tokens [tb*BLOCK_T, +BLOCK_T) of batch row b. y is
+    written as the parts ``y, y1, y2`` split at columns ``e0, e1`` (``_parts``)."""
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
         if IS_VARLEN:  # B == 1; positions are relative to each token's own sequence start
@@ -139,7 +160,8 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y,
                     W, HAS_BIAS, HAS_INIT, ACC)
         if SILU:
             z = z / (1.0 + tl.exp(-z))
-        tl.store(y + (b * T + t)[:, None] * C + c[None, :], z.to(y.dtype.element_ty), mask=valid)
+        yc, syb, syt = _parts(y, y1, y2, c, e0, e1, sy0b, sy0t, sy0c, sy1b, sy1t, sy1c, sy2b, sy2t, sy2c, PARTS)
+        tl.store(yc[None, :] + b * syb[None, :] + t[:, None] * syt[None, :], z.to(y.dtype.element_ty), mask=valid)
 
 
 @triton.jit(do_not_specialize=["T", "N", "stride_xb"])
@@ -166,15 +188,17 @@ def _conv_state_fwd_kernel(x, init, cu, final, T, N, C, stride_xb, stride_xt, st
         tl.store(final + (n * C + c) * (W - 1) + k, v, mask=valid)
 
 
-@triton.jit(do_not_specialize=["T", "NT", "stride_xb", "stride_dyb"])
-def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dz, dw_part, db_part,
+@triton.jit(do_not_specialize=["T", "NT", "stride_xb", "e0", "e1", "sd0b", "sd1b", "sd2b"])
+def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
+                    sd2b, sd2t, sd2c, dz, dw_part, db_part,
                     T, NT, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
-                    stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
+                    stride_in, stride_ic, stride_ik,
                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr):
     """dz (the pre-activation's gradient) for the forward's tiles (p, p + P, ...), and the program's
-    partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts).
+    partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts). dy comes as the
+    parts ``dy, dy1, dy2`` split at columns ``e0, e1`` (``_parts``).
 
     z is recomputed from x (W taps); the taps are read again for dweight (cache hits).
     """
@@ -183,26 +207,26 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dz, dw_part, db_part,
     kw = tl.arange(0, BLOCK_W)
     acc_db = tl.zeros((BLOCK_C,), ACC)
     acc_dw = tl.zeros((BLOCK_C, BLOCK_W), ACC)      # [channel, tap index of weight]
+    dyc, dyb, dyt = _parts(dy, dy1, dy2, c, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c, sd2b, sd2t, sd2c, PARTS)
     for tile in range(pid, NT, tl.num_programs(0)):
         b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
         if IS_VARLEN:
             n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
             s = tl.load(cu + n, mask=tmask, other=0)
             x_base = (s * stride_xt)[:, None]
-            dy_base = (s * stride_dyt)[:, None]
             init_base = (n * stride_in)[:, None]
             r1 = t - s
         else:
             x_base = b * stride_xb
-            dy_base = b * stride_dyb
             init_base = b * stride_in
             r1 = t
         r = r1[:, None]
         near = tl.min(tl.where(tmask, r1, W)) < W - 1
         c2, cm2 = c[None, :], cmask[None, :]
         valid = tmask[:, None] & cm2
-        g = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, r, c2, valid, near, cm2,
-                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt, stride_dyc,
+        g = tl.load(dyc[None, :] + b * dyb[None, :] + t[:, None] * dyt[None, :], mask=valid, other=0.0).to(ACC)
+        g = _dz(x, init, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
+                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                 W, HAS_BIAS, HAS_INIT, SILU, ACC)
         tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
         if HAS_BIAS:
@@ -252,43 +276,48 @@ def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_
         tl.store(dx + rows * C + c2, acc.to(dx.dtype.element_ty), mask=valid)
 
 
-@triton.jit(do_not_specialize=["T", "N", "stride_xb", "stride_dyb"])
-def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dfinal, dinit,
+@triton.jit(do_not_specialize=["T", "N", "stride_xb", "e0", "e1", "sd0b", "sd1b", "sd2b"])
+def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
+                           sd2b, sd2t, sd2c, dfinal, dinit,
                            T, N, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
-                           stride_in, stride_ic, stride_ik, stride_dyb, stride_dyt, stride_dyc,
+                           stride_in, stride_ic, stride_ik,
                            stride_dfn, stride_dfc, stride_dfk,
                            W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DFINAL: tl.constexpr,
                            IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+                           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr):
     """d initial_state[n, c, k] for sequences n = p, p + P, ... (P programs on axis 0) and a block of
     channels (all W-1 entries k).
 
     Entry k sits at relative position k-(W-1) and feeds z_{k-(W-1)+j} through weight[:, W-1-j] while
     that token exists; it is also final-state entry k-length when the sequence is shorter than W-1-k.
+    dy as in ``_conv_dz_kernel``.
     """
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[:, None]
     k = tl.arange(0, BLOCK_K)[None, :]
     cmask = c < C
     kvalid = cmask & (k < W - 1)
     r = k - (W - 1)
+    dyc, dyb, dyt = _parts(dy, dy1, dy2, c, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c, sd2b, sd2t, sd2c, PARTS)
     for n32 in range(tl.program_id(0), N, tl.num_programs(0)):
         n = n32 + tl.zeros((), tl.int64)
         if IS_VARLEN:
             s = tl.load(cu + n)
             length = tl.load(cu + n + 1) - s
             x_base = s * stride_xt
-            dy_base = s * stride_dyt
+            dy_row = dyc + s * dyt    # dy at the sequence's first token
         else:
             length = T + tl.zeros((), tl.int64)
             x_base = n * stride_xb
-            dy_base = n * stride_dyb
+            dy_row = dyc + n * dyb
         init_base = n * stride_in
         acc = tl.zeros((BLOCK_C, BLOCK_K), ACC)
         for j in tl.static_range(W):
             rt = r + j
-            dz = _dz(x, init, w, bias, dy, x_base, init_base, dy_base, rt, c, kvalid & (rt >= 0) & (rt < length), True,
-                     cmask, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, stride_dyt,
-                     stride_dyc, W, HAS_BIAS, True, SILU, ACC)
+            at = kvalid & (rt >= 0) & (rt < length)
+            g = tl.load(dy_row + rt * dyt, mask=at, other=0.0).to(ACC)
+            dz = _dz(x, init, w, bias, g, x_base, init_base, rt, c, at, True, cmask,
+                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
+                     W, HAS_BIAS, True, SILU, ACC)
             w_j = tl.load(w + c * stride_wc + (W - 1 - j) * stride_ww, mask=cmask, other=0.0).to(ACC)
             acc += w_j * dz
         if HAS_DFINAL:
@@ -316,14 +345,30 @@ def _strides3(t):
     return (0, 0, 0) if t is None else t.stride()
 
 
-def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state):
+def _as_parts(whole_or_parts, C):
+    """The ``_parts`` arguments for a ``[B, T, C]`` tensor given whole or as a list of 1-3 ``[B, T, w]``
+    parts (widths summing to C): ``(p0, p1, p2, e0, e1, *strides of the three)``; ``PARTS`` is 1 for a
+    whole tensor, else 3. An empty part takes another's pointer (never read: its columns are empty)."""
+    if isinstance(whole_or_parts, torch.Tensor):
+        t = whole_or_parts
+        return (t, t, t, C, C, *t.stride(), *t.stride(), *t.stride())
+    parts = list(whole_or_parts)
+    widths = [p.shape[-1] for p in parts] + [0] * (3 - len(parts))
+    held = next(p for p in parts if p.numel() > 0)
+    parts = [p if p.numel() > 0 else held for p in parts] + [held] * (3 - len(parts))
+    e0, e1 = widths[0], widths[0] + widths[1]
+    return (*parts, e0, e1, *(st for p in parts for st in p.stride()))
+
+
+def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state, split_sizes=None):
     """Forward launcher (inputs already validated).
 
     Args: x ``[B, T, C]`` (any strides; read in place), weight ``[C, W]``, bias ``[C]`` or None,
     cu int64 ``[N + 1]`` on x's device (B == 1) or None, initial_state ``[N, C, W - 1]`` or None,
-    activation ``"silu"``/``"swish"`` or None/``"identity"``.
-    Returns ``(y [B, T, C] contiguous in x's dtype, final_state [N, C, W - 1] fp32 (float64 when
-    any input is float64) or None)``.
+    activation ``"silu"``/``"swish"`` or None/``"identity"``; split_sizes: None, or 1-3 channel counts
+    summing to C (q, k, v of the layer), to get y as that many contiguous tensors in one launch.
+    Returns ``(y, final_state [N, C, W - 1] fp32 (float64 when any input is float64) or None)``, y
+    ``[B, T, C]`` contiguous in x's dtype, or with ``split_sizes`` a list of ``[B, T, size]``.
     """
     B, T, C = x.shape
     W = weight.shape[1]
@@ -331,7 +376,10 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     dt = _compute_dtype(x, weight, bias, initial_state)
     acc = tl.float64 if dt == torch.float64 else tl.float32
     silu = activation in ("silu", "swish")
-    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    if split_sizes is None:
+        y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    else:
+        y = [torch.empty(B, T, w, dtype=x.dtype, device=x.device) for w in split_sizes]
     dummy = x
     sin = _strides3(initial_state)
     block_c = _block_c(C)
@@ -340,11 +388,12 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
         n_tiles = triton.cdiv(T, BLOCK_T) * B
         _conv_fwd_kernel[(programs(n_tiles, n_cb), n_cb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
-            dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, y,
+            dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, *_as_parts(y, C),
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
-            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS)
+            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=1 if split_sizes is None else 3,
+            num_warps=NUM_WARPS)
     final = None
     if output_final_state:
         final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
@@ -360,7 +409,8 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
 def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation):
     """Backward launcher: ``(dx, dweight, dbias, dinitial)``, each in its input's dtype.
 
-    dy ``[B, T, C]`` and dfinal ``[N, C, W - 1]`` (or None) may have any strides. dbias is None
+    dy ``[B, T, C]``, or the list of ``[B, T, size]`` gradients of a ``split_sizes`` forward's outputs,
+    and dfinal ``[N, C, W - 1]`` (or None) may have any strides. dbias is None
     without bias, dinitial None without initial_state. dweight and dbias are per-tile partial sums
     reduced in torch (deterministic).
     """
@@ -385,16 +435,17 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     dummy = x
     sin, sdf = _strides3(initial_state), _strides3(dfinal)
     flags = dict(W=W, IS_VARLEN=cu is not None, ACC=acc, BLOCK_C=block_c, num_warps=NUM_WARPS)
+    parts = 1 if isinstance(dy, torch.Tensor) else 3
     seq_idx = dummy if cu is None else _seq_index(cu, T)
     cu_arg, df_arg = (dummy if cu is None else cu), (dummy if dfinal is None else dfinal)
     if n_prog > 0 and C > 0:
         _conv_dz_kernel[(n_prog, n_cb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
-            seq_idx, cu_arg, dy, dz, dw_part, db_part,
+            seq_idx, cu_arg, *_as_parts(dy, C), dz, dw_part, db_part,
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
-            0 if bias is None else bias.stride(0), *sin, *dy.stride(),
+            0 if bias is None else bias.stride(0), *sin,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=BLOCK_T,
-            BLOCK_W=triton.next_power_of_2(W), **flags)
+            BLOCK_W=triton.next_power_of_2(W), PARTS=parts, **flags)
         _conv_dx_kernel[(n_prog, n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, **flags)
@@ -404,11 +455,11 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
         if dinit.numel() > 0:
             # recomputes dz of each sequence's first W-1 tokens in fp32 (dz above may be 16-bit)
             _conv_state_bwd_kernel[(programs(N, n_cb), n_cb)](
-                x, weight, dummy if bias is None else bias, initial_state, cu_arg, dy, df_arg, dinit,
+                x, weight, dummy if bias is None else bias, initial_state, cu_arg, *_as_parts(dy, C), df_arg, dinit,
                 T, N, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
-                0 if bias is None else bias.stride(0), *sin, *dy.stride(), *sdf,
+                0 if bias is None else bias.stride(0), *sin, *sdf,
                 HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, SILU=silu,
-                BLOCK_K=triton.next_power_of_2(W - 1), **flags)
+                BLOCK_K=triton.next_power_of_2(W - 1), PARTS=parts, **flags)
     dweight = dw_part.sum(0).to(weight.dtype)
     dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
     return dx, dweight, dbias, dinit
