@@ -2,11 +2,13 @@
 their outputs, so what is timed is the layer's Python, the validation, the custom ops' dispatch and
 autograd, and the aten ops around them (projections, casts, gradient sums), on the CPU.
 
-    python scripts/bench_null_backend.py [--T 16] [--device cpu|cuda]
+    python scripts/bench_null_backend.py [--T 16] [--device cpu|cuda] [--count-ops]
 
 The layer is tiny (hidden 64, Hk 2, Hv 4, D 16) so that on the CPU the aten ops' compute is negligible.
 
 Prints the median host ms of one forward+backward and of one no-grad forward (value checks off).
+``--count-ops``: instead, the ops the layer dispatches in one forward+backward (a ``TorchDispatchMode``;
+the custom ops count one each, what runs inside them is the backend's), and how many are custom ops.
 Compare with ``bench_host_cost.py --breakdown``'s "rest" on a GPU (docs/performance.md, issue 23).
 """
 import argparse
@@ -18,6 +20,7 @@ from gdn_layer import GatedDeltaNet
 from gdn_layer.kernels import registry
 from gdn_layer.kernels.registry import Backend
 from gdn_layer.kernels.validation import skip_value_checks
+from torch.utils._python_dispatch import TorchDispatchMode
 E = torch.empty_like
 
 
@@ -54,10 +57,28 @@ def alloc_only_backend(name: str = "null") -> Backend:
         conv_splits=True)
 
 
+class _OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(f"{func.namespace}::{func.overloadpacket.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(fn) -> list[str]:
+    """``namespace::name`` of every op ``fn()`` dispatches (value checks off)."""
+    with skip_value_checks(), _OpLog() as log:
+        fn()
+    return log.names
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, default=16)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--count-ops", action="store_true", help="count the dispatched ops of one fwd+bwd instead")
     args = ap.parse_args()
     registry.register_backend(alloc_only_backend())
     torch.set_num_threads(1)
@@ -74,6 +95,11 @@ def main():
         with torch.no_grad():
             layer(x, cu_seqlens=cu)
 
+    if args.count_ops:
+        names = dispatched_ops(fb)
+        custom = [n for n in names if n.startswith("gdn_layer::")]
+        print(f"ops dispatched in one fwd+bwd: {len(names)} (custom ops {len(custom)}: {sorted(set(custom))})")
+        return
     for name, fn in (("fwd+bwd", fb), ("fwd no grad", f)):
         with skip_value_checks():
             for _ in range(20):

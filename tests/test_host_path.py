@@ -67,3 +67,20 @@ def test_backward_builds_no_zero_filled_parameter_gradients(alloc_only_backend, 
     assert "causal_conv1d_split_bwd" in backward.names and "gdn_gate_bwd" in backward.names
     assert not ZERO_FILLS & set(forward.names), sorted(ZERO_FILLS & set(forward.names))
     assert not ZERO_FILLS & set(backward.names), sorted(ZERO_FILLS & set(backward.names))
+
+
+def test_one_layer_call_is_eight_custom_ops_and_counted_by_the_benchmark(alloc_only_backend, monkeypatch, capsys):
+    """Forward + backward of a packed training call: one custom op each for the conv (q, k and v from one
+    ``causal_conv1d_split``), the gate, the chunk rule and the norm, and their backwards; the benchmark's
+    ``--count-ops`` reports the same."""
+    import bench_null_backend
+    monkeypatch.setattr(sys, "argv", ["bench_null_backend.py", "--T", "24", "--count-ops"])
+    bench_null_backend.main()
+    out = capsys.readouterr().out
+    assert "(custom ops 8: [" in out and "'gdn_layer::causal_conv1d_split_bwd'" in out, out
+    layer = GatedDeltaNet(64, 2, 4, 16, 16, backend=alloc_only_backend)
+    x = torch.randn(1, 24, 64, requires_grad=True)
+    names = bench_null_backend.dispatched_ops(lambda: layer(x, cu_seqlens=torch.tensor([0, 10, 24])).sum().backward())
+    assert sorted(n for n in names if n.startswith("gdn_layer::")) == sorted(
+        f"gdn_layer::{op}{suffix}" for op in ("causal_conv1d_split", "gdn_gate", "chunk_gated_delta_rule", "gated_rms_norm")
+        for suffix in ("", "_bwd"))
