@@ -85,7 +85,7 @@ def make_backend():
     # cu_seqlens (fla_backend.exact_chunk_index)
     exact = fla_backend.exact_chunk_index
     # conv_splits=False: the split conv's select of pointers crashes triton-ascend 3.2.0's lowering
-    # (kernels/triton/conv.py, ``_parts``); the layer's q, k, v come from one conv and a split there
+    # (kernels/triton/conv.py, ``_parts``); the layer's q, k, v come from one conv per part there
     return dataclasses.replace(fla_backend.make_backend(), name="ascend", available=available, priority=10,
                                conv_splits=False,
                                recurrent_gated_delta_rule=recurrent_fwd,

@@ -20,7 +20,7 @@ Ops (inputs already validated by ``api.py``; optional outputs come back as empty
   backend) -> (y [B,T,C] x.dtype, final [N,C,W-1] fp32|fp64)``
 - ``causal_conv1d_split``: the same with ``split_sizes`` (3 channel counts summing to C, zeros allowed)
   after ``cu_seqlens`` -> ``(y0, y1, y2 [B,T,size_i] x.dtype, final)``: y in parts, as ``split`` and
-  ``contiguous`` would give, in one launch on a backend with ``conv_splits``
+  ``contiguous`` would give; one launch on a backend with ``conv_splits``, else one conv per part
 - ``gdn_gate``: ``(a, b, A_log, dt_bias, backend) -> (g [B,T,H] fp32|fp64, beta b.dtype)``
 - ``gated_rms_norm``: ``(x, z, weight, eps, backend) -> y x.dtype``
 """
@@ -283,13 +283,20 @@ def causal_conv1d_split_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], in
                            cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str,
                            output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     b = backend_by_name(backend)
-    kwargs = dict(bias=bias, activation=activation, cu=cu_seqlens, initial_state=initial_state,
-                  output_final_state=output_final_state)
+    sizes = list(split_sizes)
+    kwargs = dict(activation=activation, cu=cu_seqlens, output_final_state=output_final_state)
     if b.conv_splits:
-        ys, final = b.causal_conv1d(x, weight, split_sizes=list(split_sizes), **kwargs)
-    else:
-        y, final = b.causal_conv1d(x, weight, **kwargs)
-        ys = y.split(list(split_sizes), -1)
+        ys, final = b.causal_conv1d(x, weight, bias=bias, initial_state=initial_state, split_sizes=sizes, **kwargs)
+        if not isinstance(ys, (list, tuple)) or [tuple(y.shape) for y in ys] != [(*x.shape[:2], w) for w in sizes]:
+            raise TypeError(f"backend {backend!r} has conv_splits=True, so its causal_conv1d must return a list of "
+                            f"[B, T, size] tensors for split_sizes={sizes}; set conv_splits=False if it does not")
+    else:   # one conv per non-empty part: no copies (each part's y is contiguous)
+        ys, finals = [], []
+        for w, (xi, wi, bi, hi) in zip(sizes, _split_inputs(sizes, x, weight, bias, initial_state)):
+            yi, fi = b.causal_conv1d(xi, wi, bias=bi, initial_state=hi, **kwargs) if w else (x.new_empty(*x.shape[:2], 0), None)
+            ys.append(yi)
+            finals += [fi] if w else []
+        final = torch.cat(finals, 1) if output_final_state else None
     dt = math_dtype(x, weight, bias, initial_state)
     final = final.to(dt) if final is not None else x.new_empty(_EMPTY, dtype=dt)
     return _distinct([*(y.to(x.dtype) for y in ys), final], x, initial_state)
@@ -309,9 +316,26 @@ def causal_conv1d_split_bwd_op(dy0: Tensor, dy1: Tensor, dy2: Tensor, dfinal: Op
                                cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
                                backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     b = backend_by_name(backend)
-    dy = [dy0, dy1, dy2] if b.conv_splits and b.causal_conv1d_bwd is not None else torch.cat([dy0, dy1, dy2], -1)
-    grads = _conv_bwd(b, dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state)
+    if b.conv_splits and b.causal_conv1d_bwd is not None:
+        grads = _conv_bwd(b, [dy0, dy1, dy2], dfinal, x, weight, bias, initial_state, cu_seqlens, activation,
+                          output_final_state)
+    else:   # per non-empty part, as the forward ran it; the gradients concatenated
+        sizes = [d.shape[-1] for d in (dy0, dy1, dy2)]
+        dfs = [None] * 3 if dfinal is None else dfinal.split(sizes, 1)
+        parts = [_conv_bwd(b, dy, df, xi, wi, bi, hi, cu_seqlens, activation, output_final_state)
+                 for w, dy, df, (xi, wi, bi, hi) in zip(sizes, (dy0, dy1, dy2), dfs,
+                                                        _split_inputs(sizes, x, weight, bias, initial_state)) if w]
+        given = (True, True, bias is not None, initial_state is not None)
+        grads = tuple(torch.cat([g[i] for g in parts], dim) if given[i] else x.new_empty(_EMPTY)
+                      for i, dim in enumerate((-1, 0, 0, 1)))
     return _distinct(grads, dy0, dy1, dy2, dfinal, x, weight, bias, initial_state, cu_seqlens)
+
+
+def _split_inputs(sizes, x, weight, bias, initial_state) -> list:
+    """``(x_i, weight_i, bias_i, initial_state_i)`` per part of the channels (views; None stays None)."""
+    def split(t, dim):
+        return [None] * len(sizes) if t is None else t.split(sizes, dim)
+    return list(zip(x.split(sizes, -1), weight.split(sizes, 0), split(bias, 0), split(initial_state, 1)))
 
 
 @causal_conv1d_split_bwd_op.register_fake
@@ -327,9 +351,9 @@ def _conv_split_setup(ctx, inputs, output):
 
 def _conv_split_backward(ctx, dy0, dy1, dy2, dfinal):
     x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
-    split_sizes, activation, output_final_state, backend = ctx.args
-    dys = [x.new_zeros(*x.shape[:2], w) if d is None else d for d, w in zip((dy0, dy1, dy2), split_sizes)]
-    dx, dw, db, dh0 = causal_conv1d_split_bwd_op(*dys, dfinal if output_final_state else None, x, weight, bias,
+    _, activation, output_final_state, backend = ctx.args
+    # (an output that feeds nothing comes as zeros: custom ops' autograd materialises None gradients)
+    dx, dw, db, dh0 = causal_conv1d_split_bwd_op(dy0, dy1, dy2, dfinal if output_final_state else None, x, weight, bias,
                                                  initial_state, cu_seqlens, activation, output_final_state, backend)
     return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
             None, None, None, None, None)

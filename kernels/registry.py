@@ -50,8 +50,7 @@ class Backend:
     gated_rms_norm_bwd: Callable | None = None
     # its ``causal_conv1d`` takes ``split_sizes=`` (1-3 channel counts) and returns y as a list of that
     # many contiguous parts, and its ``causal_conv1d_bwd`` takes dy as such a list (one launch for the
-    # layer's q, k and v; kernels/triton/conv.py). False: ``causal_conv1d_split`` runs the whole conv and
-    # splits its output
+    # layer's q, k and v; kernels/triton/conv.py). False: ``causal_conv1d_split`` runs one conv per part
     conv_splits: bool = False
     # run dense ``[B, T]`` delta-rule calls as a pack of B sequences of T tokens (exact): compiled
     # backends then build one (varlen) kernel variant per flag set instead of two

@@ -74,6 +74,7 @@ def test_one_layer_call_is_eight_custom_ops_and_counted_by_the_benchmark(alloc_o
     ``causal_conv1d_split``), the gate, the chunk rule and the norm, and their backwards; the benchmark's
     ``--count-ops`` reports the same."""
     import bench_null_backend
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))   # (main() registers "null": undone after)
     monkeypatch.setattr(sys, "argv", ["bench_null_backend.py", "--T", "24", "--count-ops"])
     bench_null_backend.main()
     out = capsys.readouterr().out

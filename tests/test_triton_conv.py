@@ -239,3 +239,67 @@ def test_split_sizes_are_checked(sizes, error):
     from gdn_layer.kernels import causal_conv1d_split
     with pytest.raises(error, match="split_sizes"):
         causal_conv1d_split(torch.randn(1, 5, 24), torch.randn(24, 4), sizes, backend="torch")
+
+
+@pytest.mark.parametrize("unused", [0, 1, 2])
+@pytest.mark.parametrize("backend", ["triton_cpu", "torch"])
+def test_split_part_left_out_of_the_loss_gets_zero_gradient(triton_cpu_backend, unused, backend):
+    """A part that feeds nothing (autograd hands the op None for it) counts as a zero gradient."""
+    from gdn_layer.kernels import causal_conv1d_split
+    sizes = [8, 16, 24]
+    inp = make_inputs(1, 50, 48, 4, cu=[0, 7, 50], seed=unused)
+    dev = DEV if backend == "triton_cpu" else "cpu"
+    buf = inp["buf"].to(dev).requires_grad_()
+    x = buf[..., 2:50]
+    w, h0 = (inp[k].to(dev).requires_grad_() for k in ("weight", "init"))
+    ys, fin = causal_conv1d_split(x, w, sizes, activation="silu", cu_seqlens=inp["cu"].to(dev), initial_state=h0,
+                                  output_final_state=True, backend=backend)
+    gys = list(inp["gy"].split(sizes, -1))
+    used = [i for i in range(3) if i != unused]
+    got = torch.autograd.grad([ys[i] for i in used] + [fin], [buf, w, h0], [gys[i].to(dev) for i in used] + [inp["gf"].to(dev)])
+    gys[unused] = torch.zeros_like(gys[unused])
+    want = run(reference.causal_conv1d, {**inp, "bias": None, "gy": torch.cat(gys, -1)}, "silu", to=torch.float64)
+    for name, a, b in (("dx", got[0][..., 2:50], want[2]), ("dweight", got[1], want[3]), ("dinitial", got[2], want[5])):
+        assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("backend", ["triton_cpu", "torch"])
+def test_split_with_no_tokens_passes_the_state_through(triton_cpu_backend, packed, backend):
+    """T = 0 with an initial state: the final state is the initial state and its gradient is dfinal."""
+    from gdn_layer.kernels import causal_conv1d_split
+    dev = DEV if backend == "triton_cpu" else "cpu"
+    B, cu = (1, torch.tensor([0, 0, 0], device=dev)) if packed else (2, None)
+    h0 = torch.randn(2, 24, 3, device=dev, requires_grad=True)
+    ys, fin = causal_conv1d_split(torch.randn(B, 0, 24, device=dev), torch.randn(24, 4, device=dev), [8, 8, 8],
+                                  cu_seqlens=cu, initial_state=h0, output_final_state=True, backend=backend)
+    assert [tuple(y.shape) for y in ys] == [(B, 0, 8)] * 3 and torch.equal(fin, h0)
+    gf = torch.randn_like(fin)
+    assert torch.equal(torch.autograd.grad(fin, h0, gf)[0], gf)
+
+
+def test_split_launches_the_split_variant(triton_cpu_backend, monkeypatch):
+    """On a ``conv_splits`` backend the parts are written and read by the kernels (``PARTS == 3``), not a
+    whole conv and copies."""
+    from gdn_layer.kernels import causal_conv1d_split
+    names = ("_conv_fwd_kernel", "_conv_dz_kernel", "_conv_state_bwd_kernel")
+    spies = {k: LaunchSpy(getattr(conv, k)) for k in names}
+    for k, spy in spies.items():
+        monkeypatch.setattr(conv, k, spy)
+    _split_run(causal_conv1d_split, make_inputs(1, 40, 24, 4, cu=[0, 3, 40]), [8, 8, 8], "triton_cpu", device=DEV)
+    assert {k: [kw["PARTS"] for kw in s.kwargs] for k, s in spies.items()} == dict.fromkeys(names, [3])
+
+
+def test_a_conv_splits_backend_that_returns_one_tensor_is_named(triton_cpu_backend):
+    import dataclasses
+
+    from gdn_layer.kernels import causal_conv1d_split, registry
+    b = dataclasses.replace(registry.backend_by_name("torch"), name="claims_splits", conv_splits=True,
+                            causal_conv1d=lambda x, weight, split_sizes=None, **kw: registry.backend_by_name(
+                                "torch").causal_conv1d(x, weight, **kw))
+    registry.register_backend(b)
+    try:
+        with pytest.raises(TypeError, match="conv_splits=True"):
+            causal_conv1d_split(torch.randn(1, 5, 24), torch.randn(24, 4), [8, 8, 8], backend="claims_splits")
+    finally:
+        registry._BACKENDS.pop("claims_splits")

@@ -354,7 +354,7 @@ def _as_parts(whole_or_parts, C):
         return (t, t, t, C, C, *t.stride(), *t.stride(), *t.stride())
     parts = list(whole_or_parts)
     widths = [p.shape[-1] for p in parts] + [0] * (3 - len(parts))
-    held = next(p for p in parts if p.numel() > 0)
+    held = next((p for p in parts if p.numel() > 0), parts[0])   # (all empty: T = 0, only the state's pass runs)
     parts = [p if p.numel() > 0 else held for p in parts] + [held] * (3 - len(parts))
     e0, e1 = widths[0], widths[0] + widths[1]
     return (*parts, e0, e1, *(st for p in parts for st in p.stride()))
