@@ -12,7 +12,9 @@ the custom ops count one each, what runs inside them is the backend's), and how 
 Compare with ``bench_host_cost.py --breakdown``'s "rest" on a GPU (docs/performance.md, issue 23).
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -75,11 +77,15 @@ def dispatched_ops(fn) -> list[str]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--T", type=int, default=16)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--count-ops", action="store_true", help="count the dispatched ops of one fwd+bwd instead")
     args = ap.parse_args()
+    if args.device.startswith("cuda"):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+        from requires import require_cuda
+        require_cuda("bench_null_backend.py --device cuda")
     registry.register_backend(alloc_only_backend())
     torch.set_num_threads(1)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)

@@ -39,11 +39,14 @@ def setting(name):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Needs a CUDA GPU.")
     ap.add_argument("--layer", default="null", choices=["null", "ft"])
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from requires import require_cuda
+    require_cuda("probe_autograd_thread.py")
     from gdn_layer import GatedDeltaNet
     from gdn_layer.kernels.validation import skip_value_checks
     dev = "cuda"
