@@ -1,11 +1,10 @@
 """Public entry points: validate once (shared by every backend), then dispatch to the bound backend."""
 from __future__ import annotations
 
-import torch
-
 from . import ops
 from .registry import backend_name
-from .validation import check_conv_inputs, check_flags, check_float_tensors, check_gated_delta_inputs, check_scale
+from .validation import (check_conv_inputs, check_flags, check_float_tensors, check_gated_delta_inputs, check_scale,
+                         check_split_sizes)
 
 
 def _scale(scale, q) -> float:
@@ -104,15 +103,9 @@ def causal_conv1d_split(x, weight, split_sizes, bias=None, activation="silu", cu
     """
     check_flags(output_final_state=output_final_state)
     _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
-    if not isinstance(split_sizes, (list, tuple)) or not 1 <= len(split_sizes) <= 3 or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in split_sizes):
-        raise TypeError(f"split_sizes must be a list of 1 to 3 non-negative ints, got {split_sizes!r}")
-    if sum(split_sizes) != x.shape[-1]:
-        raise ValueError(f"split_sizes must sum to C = x.shape[-1] = {x.shape[-1]}, got {list(split_sizes)} "
-                         f"(sum {sum(split_sizes)})")
+    sizes = check_split_sizes(split_sizes, x.shape[-1])
     name = backend_name(backend, x.device)
     activation = "silu" if activation in ("silu", "swish") else "identity"
-    sizes = [*split_sizes, *[0] * (3 - len(split_sizes))]
     *ys, final = ops.causal_conv1d_split_op(x, weight, bias, initial_state, cu, sizes, activation,
                                             output_final_state, name)
     return ys[:len(split_sizes)], (final if output_final_state else None)

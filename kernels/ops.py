@@ -287,15 +287,18 @@ def causal_conv1d_split_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], in
     kwargs = dict(activation=activation, cu=cu_seqlens, output_final_state=output_final_state)
     if b.conv_splits:
         ys, final = b.causal_conv1d(x, weight, bias=bias, initial_state=initial_state, split_sizes=sizes, **kwargs)
-        if not isinstance(ys, (list, tuple)) or [tuple(y.shape) for y in ys] != [(*x.shape[:2], w) for w in sizes]:
+        if not isinstance(ys, (list, tuple)) or len(ys) != len(sizes):
             raise TypeError(f"backend {backend!r} has conv_splits=True, so its causal_conv1d must return a list of "
                             f"[B, T, size] tensors for split_sizes={sizes}; set conv_splits=False if it does not")
     else:   # one conv per non-empty part: no copies (each part's y is contiguous)
         ys, finals = [], []
         for w, (xi, wi, bi, hi) in zip(sizes, _split_inputs(sizes, x, weight, bias, initial_state)):
-            yi, fi = b.causal_conv1d(xi, wi, bias=bi, initial_state=hi, **kwargs) if w else (x.new_empty(*x.shape[:2], 0), None)
+            if w == 0:
+                ys.append(x.new_empty(*x.shape[:2], 0))
+                continue
+            yi, fi = b.causal_conv1d(xi, wi, bias=bi, initial_state=hi, **kwargs)
             ys.append(yi)
-            finals += [fi] if w else []
+            finals.append(fi)
         final = torch.cat(finals, 1) if output_final_state else None
     dt = math_dtype(x, weight, bias, initial_state)
     final = final.to(dt) if final is not None else x.new_empty(_EMPTY, dtype=dt)
@@ -346,15 +349,16 @@ def _(dy0, dy1, dy2, dfinal, x, weight, bias, initial_state, cu_seqlens, activat
 def _conv_split_setup(ctx, inputs, output):
     x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state, backend = inputs
     ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
-    ctx.args = (list(split_sizes), activation, output_final_state, backend)
+    ctx.args = (activation, output_final_state, backend)      # (the parts' sizes come back as dy's widths)
 
 
 def _conv_split_backward(ctx, dy0, dy1, dy2, dfinal):
     x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
-    _, activation, output_final_state, backend = ctx.args
+    activation, output_final_state, backend = ctx.args
     # (an output that feeds nothing comes as zeros: custom ops' autograd materialises None gradients)
-    dx, dw, db, dh0 = causal_conv1d_split_bwd_op(dy0, dy1, dy2, dfinal if output_final_state else None, x, weight, bias,
-                                                 initial_state, cu_seqlens, activation, output_final_state, backend)
+    dx, dw, db, dh0 = causal_conv1d_split_bwd_op(dy0, dy1, dy2, dfinal if output_final_state else None, x, weight,
+                                                 bias, initial_state, cu_seqlens, activation, output_final_state,
+                                                 backend)
     return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
             None, None, None, None, None)
 

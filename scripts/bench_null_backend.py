@@ -59,19 +59,24 @@ def alloc_only_backend(name: str = "null") -> Backend:
         conv_splits=True)
 
 
-class _OpLog(TorchDispatchMode):
-    def __init__(self):
+class OpLog(TorchDispatchMode):
+    """Records ``namespace::name`` of each op dispatched under it (``names``); with ``skip_empty``, not
+    those whose result is an empty tensor (they launch nothing). Also used by tests/test_host_path.py."""
+
+    def __init__(self, skip_empty: bool = False):
         super().__init__()
-        self.names = []
+        self.names, self.skip_empty = [], skip_empty
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(f"{func.namespace}::{func.overloadpacket.__name__}")
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if not (self.skip_empty and isinstance(out, torch.Tensor) and out.numel() == 0):
+            self.names.append(f"{func.namespace}::{func.overloadpacket.__name__}")
+        return out
 
 
 def dispatched_ops(fn) -> list[str]:
     """``namespace::name`` of every op ``fn()`` dispatches (value checks off)."""
-    with skip_value_checks(), _OpLog() as log:
+    with skip_value_checks(), OpLog() as log:
         fn()
     return log.names
 

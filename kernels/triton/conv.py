@@ -346,18 +346,18 @@ def _strides3(t):
 
 
 def _as_parts(whole_or_parts, C):
-    """The ``_parts`` arguments for a ``[B, T, C]`` tensor given whole or as a list of 1-3 ``[B, T, w]``
-    parts (widths summing to C): ``(p0, p1, p2, e0, e1, *strides of the three)``; ``PARTS`` is 1 for a
-    whole tensor, else 3. An empty part takes another's pointer (never read: its columns are empty)."""
+    """``(args, PARTS)``: the ``_parts`` arguments ``(p0, p1, p2, e0, e1, *strides of the three)`` for a
+    ``[B, T, C]`` tensor given whole (``PARTS`` 1) or as a list of 1-3 ``[B, T, w]`` parts with widths
+    summing to C (``PARTS`` 3). An empty part takes another's pointer (never read: its columns are empty)."""
     if isinstance(whole_or_parts, torch.Tensor):
         t = whole_or_parts
-        return (t, t, t, C, C, *t.stride(), *t.stride(), *t.stride())
+        return (t, t, t, C, C, *t.stride(), *t.stride(), *t.stride()), 1
     parts = list(whole_or_parts)
     widths = [p.shape[-1] for p in parts] + [0] * (3 - len(parts))
     held = next((p for p in parts if p.numel() > 0), parts[0])   # (all empty: T = 0, only the state's pass runs)
     parts = [p if p.numel() > 0 else held for p in parts] + [held] * (3 - len(parts))
     e0, e1 = widths[0], widths[0] + widths[1]
-    return (*parts, e0, e1, *(st for p in parts for st in p.stride()))
+    return (*parts, e0, e1, *(st for p in parts for st in p.stride())), 3
 
 
 def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state, split_sizes=None):
@@ -386,14 +386,14 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     n_cb = triton.cdiv(C, block_c)
     if B * T > 0 and C > 0:
         n_tiles = triton.cdiv(T, BLOCK_T) * B
+        y_parts, parts = _as_parts(y, C)
         _conv_fwd_kernel[(programs(n_tiles, n_cb), n_cb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
-            dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, *_as_parts(y, C),
+            dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, *y_parts,
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
-            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=1 if split_sizes is None else 3,
-            num_warps=NUM_WARPS)
+            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=parts, num_warps=NUM_WARPS)
     final = None
     if output_final_state:
         final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
@@ -435,13 +435,13 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     dummy = x
     sin, sdf = _strides3(initial_state), _strides3(dfinal)
     flags = dict(W=W, IS_VARLEN=cu is not None, ACC=acc, BLOCK_C=block_c, num_warps=NUM_WARPS)
-    parts = 1 if isinstance(dy, torch.Tensor) else 3
+    dy_parts, parts = _as_parts(dy, C)
     seq_idx = dummy if cu is None else _seq_index(cu, T)
     cu_arg, df_arg = (dummy if cu is None else cu), (dummy if dfinal is None else dfinal)
     if n_prog > 0 and C > 0:
         _conv_dz_kernel[(n_prog, n_cb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
-            seq_idx, cu_arg, *_as_parts(dy, C), dz, dw_part, db_part,
+            seq_idx, cu_arg, *dy_parts, dz, dw_part, db_part,
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=BLOCK_T,
@@ -455,7 +455,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
         if dinit.numel() > 0:
             # recomputes dz of each sequence's first W-1 tokens in fp32 (dz above may be 16-bit)
             _conv_state_bwd_kernel[(programs(N, n_cb), n_cb)](
-                x, weight, dummy if bias is None else bias, initial_state, cu_arg, *_as_parts(dy, C), df_arg, dinit,
+                x, weight, dummy if bias is None else bias, initial_state, cu_arg, *dy_parts, df_arg, dinit,
                 T, N, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
                 0 if bias is None else bias.stride(0), *sin, *sdf,
                 HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, SILU=silu,
