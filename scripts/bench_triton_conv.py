@@ -135,6 +135,14 @@ def bench(quick):
     print("BLOCK_T BLOCK_C warps   fwd ms  (GB/s)   bwd ms  (GB/s)")
     for bt, bc, nw, f, bw_ms in sorted(rows, key=lambda r: r[3] + r[4]):
         print(f"{bt:7d} {bc:7d} {nw:5d} {f:8.3f} {fwd_bytes / f / 1e6:7.0f} {bw_ms:8.3f} {bwd_bytes / bw_ms / 1e6:7.0f}")
+    conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = configs[0][0], (lambda C, bc=configs[0][1]: bc), configs[0][2]
+    if hasattr(conv, "DZ_PROGRAMS"):  # the dz pass's program count (dweight reduced once per program)
+        default = conv.DZ_PROGRAMS
+        for n in (1024, 2048, 4096, 8192, 16384, 65535):
+            conv.DZ_PROGRAMS = n
+            ms = do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu"), return_mode="median")
+            print(f"DZ_PROGRAMS {n:6d}: bwd {ms:.3f} ms")
+        conv.DZ_PROGRAMS = default
     compare_fla(x, w, b, cu, init, dy)
 
 

@@ -86,6 +86,16 @@ def test_packed_with_empty_and_short_sequences_matches_reference(cu, W, init, ac
     assert_matches_reference(make_inputs(1, 130, 10, W, cu=cu, init=init, seed=len(cu) + W), act)
 
 
+@pytest.mark.parametrize("W", [1, 3, 4, 5, 6])
+@pytest.mark.parametrize("dz_programs", [1, 2, 8192])
+def test_dz_pass_sums_dweight_over_a_programs_tiles(monkeypatch, W, dz_programs):
+    """The dz pass sums the dweight / dbias products of taps 0..3 over all tiles a program takes and those
+    of taps past 4 per tile: with 1 or 2 programs per channel block each program takes several of the 5
+    tiles (packed, straddling them); W = 5, 6 run the taps past 4."""
+    monkeypatch.setattr(conv, "DZ_PROGRAMS", dz_programs)
+    assert_matches_reference(make_inputs(1, 150, 20, W, cu=[0, 3, 40, 41, 150], seed=W + dz_programs), "silu")
+
+
 def test_wide_channels_span_several_channel_blocks():
     assert_matches_reference(make_inputs(1, 70, 72, 3, cu=[0, 5, 70], seed=3), "swish")
 

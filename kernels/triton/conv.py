@@ -46,6 +46,8 @@ from ._grid import programs
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
 BLOCK_T = 32
 NUM_WARPS = 4
+# programs of the backward's dz pass over all channel blocks (it takes cdiv(tiles, programs) tiles each)
+DZ_PROGRAMS = 8192
 
 
 def _block_c(C: int) -> int:
@@ -188,6 +190,12 @@ def _conv_state_fwd_kernel(x, init, cu, final, T, N, C, stride_xb, stride_xt, st
         tl.store(final + (n * C + c) * (W - 1) + k, v, mask=valid)
 
 
+@triton.jit
+def _dw_col(dw_part, part, acc, W: tl.constexpr, i: tl.constexpr, cmask):
+    """Stores the tokens' sum of ``acc`` (dz times the input i taps back) as dweight entry W-1-i."""
+    tl.store(dw_part + part * W + (W - 1 - i), tl.sum(acc, 0), mask=cmask)
+
+
 @triton.jit(do_not_specialize=["T", "NT", "stride_xb", "e0", "e1", "sd0b", "sd1b", "sd2b"])
 def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                     sd2b, sd2t, sd2c, dz, dw_part, db_part,
@@ -200,13 +208,19 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
     partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts). dy comes as the
     parts ``dy, dy1, dy2`` split at columns ``e0, e1`` (``_parts``).
 
-    z is recomputed from x (W taps); the taps are read again for dweight (cache hits).
+    z is recomputed from x (W taps); the taps are read again for dweight (cache hits). The dweight and
+    dbias products of the first 4 taps are summed elementwise over the program's tiles and reduced over
+    tokens once at its end (a per-tile reduction crosses warps); taps past 4 (W > 4) reduce per tile.
     """
     pid = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     kw = tl.arange(0, BLOCK_W)
-    acc_db = tl.zeros((BLOCK_C,), ACC)
-    acc_dw = tl.zeros((BLOCK_C, BLOCK_W), ACC)      # [channel, tap index of weight]
+    acc_db = tl.zeros((BLOCK_T, BLOCK_C), ACC)
+    acc0 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
+    acc1 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
+    acc2 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
+    acc3 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
+    acc_dw = tl.zeros((BLOCK_C, BLOCK_W), ACC)      # taps past 4: [channel, tap index of weight]
     dyc, dyb, dyt = _parts(dy, dy1, dy2, c, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c, sd2b, sd2t, sd2c, PARTS)
     for tile in range(pid, NT, tl.num_programs(0)):
         b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
@@ -230,16 +244,34 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
                 W, HAS_BIAS, HAS_INIT, SILU, ACC)
         tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
         if HAS_BIAS:
-            acc_db += tl.sum(g, 0)
+            acc_db += g
         for i in tl.static_range(W):
             xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
                       W, HAS_INIT, ACC)
-            acc_dw += tl.where(kw[None, :] == W - 1 - i, tl.sum(g * xi, 0)[:, None], 0.0)
+            if i == 0:
+                acc0 += g * xi
+            elif i == 1:
+                acc1 += g * xi
+            elif i == 2:
+                acc2 += g * xi
+            elif i == 3:
+                acc3 += g * xi
+            else:
+                acc_dw += tl.where(kw[None, :] == W - 1 - i, tl.sum(g * xi, 0)[:, None], 0.0)
     part = pid.to(tl.int64) * C + c
     cmask = c < C
     if HAS_BIAS:
-        tl.store(db_part + part, acc_db, mask=cmask)
-    tl.store(dw_part + part[:, None] * W + kw[None, :], acc_dw, mask=cmask[:, None] & (kw < W)[None, :])
+        tl.store(db_part + part, tl.sum(acc_db, 0), mask=cmask)
+    _dw_col(dw_part, part, acc0, W, 0, cmask)
+    if W > 1:
+        _dw_col(dw_part, part, acc1, W, 1, cmask)
+    if W > 2:
+        _dw_col(dw_part, part, acc2, W, 2, cmask)
+    if W > 3:
+        _dw_col(dw_part, part, acc3, W, 3, cmask)
+    if W > 4:
+        tl.store(dw_part + part[:, None] * W + kw[None, :], acc_dw,
+                 mask=cmask[:, None] & (kw >= 0)[None, :] & (kw < W - 4)[None, :])
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -423,7 +455,9 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     block_c = _block_c(C)
     n_cb = triton.cdiv(C, block_c)
     n_tiles = triton.cdiv(T, BLOCK_T) * B
-    n_prog = programs(n_tiles, n_cb) if C > 0 else 0
+    # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS programs
+    # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
+    n_prog = programs(min(n_tiles, triton.cdiv(DZ_PROGRAMS, n_cb)), n_cb) if C > 0 else 0
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
     # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
@@ -446,7 +480,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             0 if bias is None else bias.stride(0), *sin,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=BLOCK_T,
             BLOCK_W=triton.next_power_of_2(W), PARTS=parts, **flags)
-        _conv_dx_kernel[(n_prog, n_cb)](
+        _conv_dx_kernel[(programs(n_tiles, n_cb), n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, **flags)
     dinit = None

@@ -1,0 +1,49 @@
+"""GPU timing of the Triton gated RMSNorm (kernels/triton/norm.py) at Qwen3-Next's shape. Needs CUDA.
+
+    python3 scripts/bench_triton_norm.py [--T 32768] [--heads 32] [--D 128]
+
+Forward and backward times (median of ``triton.testing.do_bench``, bf16 x / z / dy, fp32 weight) against
+the bytes each must move at the measured copy bandwidth, and the backward for several caps on its
+program count (``norm._MAX_PROGRAMS``: the programs loop over row tiles and each writes one row of the
+partial dweight), so the cap can be chosen from a measurement.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--T", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--D", type=int, default=128)
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from requires import require_cuda
+    require_cuda("bench_triton_norm.py")
+    from gdn_layer.kernels.triton import norm
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    shape = (1, args.T, args.heads, args.D)
+    x, z, dy = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    w = torch.randn(args.D, device="cuda")
+    big = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    bw = 2 * big.numel() / do_bench(lambda: big.clone(), return_mode="median") / 1e9  # TB/s, read + write
+    n = x.numel() * 2
+    print(f"copy bandwidth {bw:.2f} TB/s; floors: fwd {3 * n / bw / 1e9:.3f} ms (x, z in, y out), "
+          f"bwd {5 * n / bw / 1e9:.3f} ms (dy, x, z in, dx, dz out)")
+    y, rstd = norm.gated_rms_norm_fwd(x, z, w, 1e-6)
+    print(f"fwd {do_bench(lambda: norm.gated_rms_norm_fwd(x, z, w, 1e-6), return_mode='median'):.3f} ms")
+    default = norm._MAX_PROGRAMS
+    for cap in (1024, 2048, 4096, 8192, 16384, 65535):
+        norm._MAX_PROGRAMS = cap
+        ms = do_bench(lambda: norm.gated_rms_norm_bwd(dy, x, z, w, rstd, 1e-6), return_mode="median")
+        print(f"bwd, at most {cap:5d} programs: {ms:.3f} ms{'  (the default)' if cap == default else ''}")
+    norm._MAX_PROGRAMS = default
+
+
+if __name__ == "__main__":
+    main()
