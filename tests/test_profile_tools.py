@@ -162,6 +162,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ["scripts/bench_host_cost.py", "--shapes", "ft", "--T", "2048"],
     ["scripts/probe_graph_capture.py"],
     ["scripts/bench_triton_conv.py", "--quick"],
+    ["scripts/bench_triton_norm.py"],
     ["scripts/profile_layer.py"],
     ["examples/bench_vs_fla.py", "--T", "2048"],
     ["examples/compile_check.py"],
