@@ -35,7 +35,7 @@ import torch
 
 from . import cu_cache, reference
 from .registry import Backend, register_backend
-from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_bwd, l2norm_fwd, norm_bwd, norm_fwd
+from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_qk_bwd, l2norm_qk_fwd, norm_bwd, norm_fwd
 
 CHUNK = 64
 
@@ -152,7 +152,7 @@ def _fla_cache_policy(fn):
 
 def _prep(q, k, v, beta, use_qk_l2norm):
     if use_qk_l2norm:
-        q, k = l2norm_fwd(q), l2norm_fwd(k)
+        q, k = l2norm_qk_fwd(q, k)   # one launch for both
     return q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
 
 
@@ -189,7 +189,7 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
         do=do.contiguous(), dht=None if dfinal is None else dfinal.float().contiguous(), cu_seqlens=cu,
         chunk_indices=ci, chunk_size=CHUNK)
     if use_qk_l2norm:
-        dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
+        dq, dk = l2norm_qk_bwd(q, k, dq, dk)
     return dq, dk, dv, dg, db, dh0
 
 

@@ -24,7 +24,7 @@ import torch
 
 from . import cu_cache, fla_backend, varlen
 from .registry import Backend, register_backend
-from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_bwd, l2norm_fwd, norm_bwd, norm_fwd
+from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_qk_bwd, l2norm_qk_fwd, norm_bwd, norm_fwd
 
 log = logging.getLogger("gdn_layer.kernels")
 _FALLBACK_LOGGED: set[str] = set()
@@ -103,7 +103,7 @@ def _fallback(why: str) -> None:
 
 def _prep(q, k, v, g, beta, use_qk_l2norm):
     if use_qk_l2norm:
-        q, k = l2norm_fwd(q), l2norm_fwd(k)
+        q, k = l2norm_qk_fwd(q, k)   # one launch for both
     return q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous()
 
 
@@ -153,7 +153,7 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
         qn, kn, v, g_cum, beta, A, do.contiguous(), _kept(dht, c),
         scale=scale, initial_state=_kept(h0, c), cu_seqlens=cu, auto_cp=False)
     if use_qk_l2norm:
-        dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
+        dq, dk = l2norm_qk_bwd(q, k, dq, dk)
     if c is not None and initial_state is not None:
         dh0 = varlen.expand_states(c, dh0, dht)
     return dq, dk, dv, dg, db, dh0

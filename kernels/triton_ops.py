@@ -20,6 +20,16 @@ def l2norm_bwd(x, dy):
     return f(x, dy)
 
 
+def l2norm_qk_fwd(q, k):
+    from .triton.l2norm import l2norm_pair_fwd
+    return l2norm_pair_fwd(q, k)
+
+
+def l2norm_qk_bwd(q, k, dq, dk):
+    from .triton.l2norm import l2norm_pair_bwd
+    return l2norm_pair_bwd(q, dq, k, dk)
+
+
 def gate_fwd(a, b, A_log, dt_bias):
     from .triton.gate import gdn_gate_fwd
     return gdn_gate_fwd(a, b, A_log, dt_bias)

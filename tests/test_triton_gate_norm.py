@@ -276,3 +276,32 @@ def test_triton_kernels_pass_the_no_specialisation_scan():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("violations: 0")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_l2norm_pair_is_one_launch_per_pass_and_matches_float64(monkeypatch, dtype, tol):
+    """q and k normalised (and their gradients taken) in one launch each (``PAIR``): q a head slice of a
+    wider buffer, k a transposed-layout view, rows not a multiple of the block; against float64 autograd."""
+    from gdn_layer.kernels.triton import l2norm
+    g = torch.Generator().manual_seed(5)
+    B, T, H, D = 2, 9, 3, 24
+    buf = torch.randn(B, T, H * D + 7, generator=g)
+    q = buf[..., 7:].unflatten(-1, (H, D)).to(DEVICE, dtype)
+    k = torch.randn(B, H, T, D, generator=g).transpose(1, 2).to(DEVICE, dtype)    # [B, T, H, D], T stride D
+    dq, dk = (torch.randn(B, T, H, D, generator=g).to(DEVICE, dtype) for _ in range(2))
+    fwd, bwd = LaunchSpy(l2norm._l2norm_fwd_kernel), LaunchSpy(l2norm._l2norm_bwd_kernel)
+    monkeypatch.setattr(l2norm, "_l2norm_fwd_kernel", fwd)
+    monkeypatch.setattr(l2norm, "_l2norm_bwd_kernel", bwd)
+    qn, kn = l2norm.l2norm_pair_fwd(q, k)
+    gq, gk = l2norm.l2norm_pair_bwd(q, dq, k, dk)
+    assert len(fwd.launches) == len(bwd.launches) == 1
+    assert fwd.kwargs[0]["PAIR"] and bwd.kwargs[0]["PAIR"]
+    for x, dy, y, dx in ((q, dq, qn, gq), (k, dk, kn, gk)):
+        x64 = x.detach().double().cpu().requires_grad_()
+        ref = x64 * torch.rsqrt(x64.square().sum(-1, keepdim=True) + l2norm.EPS)
+        ref.backward(dy.double().cpu())
+        assert y.dtype == dtype and y.is_contiguous() and dx.is_contiguous()
+        assert rel_err(y.cpu(), ref) <= tol and rel_err(dx.cpu(), x64.grad) <= tol
+    # the single-tensor path is the same kernel without PAIR, and agrees with the pair
+    assert torch.equal(l2norm.l2norm_fwd(k), kn) and torch.equal(l2norm.l2norm_bwd(k, dk), gk)
+    assert not fwd.kwargs[1]["PAIR"]

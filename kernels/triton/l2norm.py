@@ -7,6 +7,8 @@ Layout: ``x [B, T, H, D]`` with ``stride(-1) == 1`` and any strides on B, T and 
 output is read in place). Rows ``M = B*T*H`` are flattened as ``(b*T + t) * H + h``.
 Grid: ``(min(cdiv(M, BLOCK_M), 65535),)`` (``_grid.py``); program p normalises row tiles p, p + P, ...
 of ``BLOCK_M`` rows (P programs).
+``l2norm_pair_fwd`` / ``l2norm_pair_bwd`` take q and k (same shape) in one launch: each program does
+its row tiles of both (``PAIR``); the backends normalise the gated delta rule's q and k so.
 Runtime (never specialised): ``M``, ``T``, ``H`` and every stride. Compile-time: ``D`` (head dim) and
 the block sizes derived from it.
 """
@@ -37,54 +39,107 @@ def _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.const
     return bx, rows, cols, mask, 1.0 / tl.sqrt(tl.sum(bx * bx, 1) + eps)
 
 
-@triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h"])
-def _l2norm_fwd_kernel(x, y, M, T, H, stride_b, stride_t, stride_h, eps,
-                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr):
-    for start in range(tl.program_id(0) * BLOCK, M, tl.num_programs(0) * BLOCK):
-        bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
-        tl.store(y + rows[:, None] * D + cols[None, :], (bx * rstd[:, None]).to(y.dtype.element_ty), mask=mask)
+@triton.jit(do_not_specialize=["start", "M", "T", "H", "stride_b", "stride_t", "stride_h"])
+def _fwd_rows(x, y, start, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, BD: tl.constexpr,
+              BLOCK: tl.constexpr):
+    bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+    tl.store(y + rows[:, None] * D + cols[None, :], (bx * rstd[:, None]).to(y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h"])
-def _l2norm_bwd_kernel(x, dy, dx, M, T, H, stride_b, stride_t, stride_h, eps,
-                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["start", "M", "T", "H", "stride_b", "stride_t", "stride_h"])
+def _bwd_rows(x, dy, dx, start, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, BD: tl.constexpr,
+              BLOCK: tl.constexpr):
+    bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+    bdy = tl.load(dy + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    by = bx * rstd[:, None]
+    bdx = (bdy - tl.sum(bdy * by, 1)[:, None] * by) * rstd[:, None]
+    tl.store(dx + rows[:, None] * D + cols[None, :], bdx.to(dx.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h", "stride_b2", "stride_t2",
+                               "stride_h2"])
+def _l2norm_fwd_kernel(x, y, x2, y2, M, T, H, stride_b, stride_t, stride_h, stride_b2, stride_t2, stride_h2, eps,
+                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr):
+    """y = l2norm(x) for row tiles p, p + P, ...; with ``PAIR`` also y2 = l2norm(x2) (same shape as x,
+    its own strides): q and k in one launch."""
     for start in range(tl.program_id(0) * BLOCK, M, tl.num_programs(0) * BLOCK):
-        bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
-        bdy = tl.load(dy + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        by = bx * rstd[:, None]
-        bdx = (bdy - tl.sum(bdy * by, 1)[:, None] * by) * rstd[:, None]
-        tl.store(dx + rows[:, None] * D + cols[None, :], bdx.to(dx.dtype.element_ty), mask=mask)
+        _fwd_rows(x, y, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+        if PAIR:
+            _fwd_rows(x2, y2, start, M, T, H, stride_b2, stride_t2, stride_h2, eps, D, BD, BLOCK)
+
+
+@triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h", "stride_b2", "stride_t2",
+                               "stride_h2"])
+def _l2norm_bwd_kernel(x, dy, dx, x2, dy2, dx2, M, T, H, stride_b, stride_t, stride_h, stride_b2, stride_t2,
+                       stride_h2, eps, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr):
+    """dx of ``_l2norm_fwd_kernel`` (the norm recomputed from x; dy contiguous); with ``PAIR`` also dx2."""
+    for start in range(tl.program_id(0) * BLOCK, M, tl.num_programs(0) * BLOCK):
+        _bwd_rows(x, dy, dx, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+        if PAIR:
+            _bwd_rows(x2, dy2, dx2, start, M, T, H, stride_b2, stride_t2, stride_h2, eps, D, BD, BLOCK)
 
 
 def _launch_args(x: torch.Tensor):
     B, T, H, D = x.shape
-    M = B * T * H
-    return M, T, H, x.stride(0), x.stride(1), x.stride(2), D, triton.next_power_of_2(D)
+    return B * T * H, T, H, D, triton.next_power_of_2(D)
+
+
+def _torch_fwd(x, eps):
+    return (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)).contiguous()
+
+
+def _torch_bwd(x, dy, eps):
+    rstd = torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+    y = x * rstd
+    return ((dy - (dy * y).sum(-1, keepdim=True) * y) * rstd).contiguous()
 
 
 def l2norm_fwd(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """``x [B, T, H, D]`` (strided) -> contiguous ``[B, T, H, D]`` in x's dtype (float64 stays float64:
     computed in torch, as the kernel's math is fp32)."""
-    if x.dtype == torch.float64:
-        return (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)).contiguous()
-    x = unit_last(x)
-    M, T, H, sb, st, sh, D, BD = _launch_args(x)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if M:
-        _l2norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](x, y, M, T, H, sb, st, sh, eps, D=D, BD=BD, BLOCK=BLOCK_M)
-    return y
+    return l2norm_pair_fwd(x, None, eps)[0]
 
 
 def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """Gradient of ``l2norm_fwd`` w.r.t. x (recomputes the norm from x); contiguous, x's dtype."""
-    if x.dtype == torch.float64:
-        rstd = torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
-        y = x * rstd
-        return ((dy - (dy * y).sum(-1, keepdim=True) * y) * rstd).contiguous()
-    x = unit_last(x)
-    M, T, H, sb, st, sh, D, BD = _launch_args(x)
-    dy = dy.contiguous()   # (read with contiguous row offsets)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return l2norm_pair_bwd(x, dy, None, None, eps)[0]
+
+
+def l2norm_pair_fwd(q: torch.Tensor, k: torch.Tensor | None, eps: float = EPS):
+    """``(l2norm_fwd(q), l2norm_fwd(k))`` in one launch when q and k have the same shape and dtype (the
+    gated delta rule's q and k: ``[B, T, Hk, Dk]``); k None: ``(l2norm_fwd(q), None)``."""
+    if k is not None and (k.shape != q.shape or k.dtype != q.dtype):
+        return l2norm_fwd(q, eps), l2norm_fwd(k, eps)
+    if q.dtype == torch.float64:
+        return _torch_fwd(q, eps), (None if k is None else _torch_fwd(k, eps))
+    q = unit_last(q)
+    k2 = q if k is None else unit_last(k)
+    M, T, H, D, BD = _launch_args(q)
+    yq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    yk = yq if k is None else torch.empty(k2.shape, dtype=k2.dtype, device=k2.device)
     if M:
-        _l2norm_bwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](x, dy, dx, M, T, H, sb, st, sh, eps, D=D, BD=BD, BLOCK=BLOCK_M)
-    return dx
+        _l2norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
+            q, yq, k2, yk, M, T, H, *q.stride()[:3], *k2.stride()[:3], eps, D=D, BD=BD, BLOCK=BLOCK_M,
+            PAIR=k is not None)
+    return yq, (None if k is None else yk)
+
+
+def l2norm_pair_bwd(q: torch.Tensor, dq: torch.Tensor, k: torch.Tensor | None, dk: torch.Tensor | None,
+                    eps: float = EPS):
+    """``(l2norm_bwd(q, dq), l2norm_bwd(k, dk))`` in one launch (as ``l2norm_pair_fwd``); k None:
+    ``(l2norm_bwd(q, dq), None)``."""
+    if k is not None and (k.shape != q.shape or k.dtype != q.dtype):
+        return l2norm_bwd(q, dq, eps), l2norm_bwd(k, dk, eps)
+    if q.dtype == torch.float64:
+        return _torch_bwd(q, dq, eps), (None if k is None else _torch_bwd(k, dk, eps))
+    q = unit_last(q)
+    dq = dq.contiguous()   # (read with contiguous row offsets)
+    k2, dk2 = (q, dq) if k is None else (unit_last(k), dk.contiguous())
+    M, T, H, D, BD = _launch_args(q)
+    dxq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dxk = dxq if k is None else torch.empty(k2.shape, dtype=k2.dtype, device=k2.device)
+    if M:
+        _l2norm_bwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
+            q, dq, dxq, k2, dk2, dxk, M, T, H, *q.stride()[:3], *k2.stride()[:3], eps, D=D, BD=BD, BLOCK=BLOCK_M,
+            PAIR=k is not None)
+    return dxq, (None if k is None else dxk)
