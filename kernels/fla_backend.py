@@ -217,13 +217,20 @@ def recurrent_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, 
     return _vjp(f, (q, k, v, g, beta, initial_state), (do, dfinal)[:1 + out_state])
 
 
+# The split conv (one launch for q, k and v, ``conv_splits``) stays off: its first kernels (a select of
+# pointers per column) ran the forward conv in 4.07 ms instead of 0.47 ms at Qwen3-Next's shape, 32k tokens, on
+# an H200 (docs/performance.md, session 11). The masked per-part access that replaced them is not timed on a GPU
+# yet; ``python scripts/bench_triton_conv.py`` prints both, and the flag goes on when the split is not slower.
+CONV_SPLITS = False
+
+
 def make_backend():
     return Backend(
         name="fla", chunk_gated_delta_rule=chunk_fwd, recurrent_gated_delta_rule=recurrent_fwd,
         causal_conv1d=conv_fwd, gated_rms_norm=norm_fwd, available=available, priority=10,
         gdn_gate=gate_fwd, chunk_gated_delta_rule_bwd=chunk_bwd, recurrent_gated_delta_rule_bwd=recurrent_bwd,
         causal_conv1d_bwd=conv_bwd, gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True,
-        conv_splits=True)
+        conv_splits=CONV_SPLITS)
 
 
 register_backend(make_backend())

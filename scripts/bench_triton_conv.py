@@ -143,7 +143,24 @@ def bench(quick):
             ms = do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu"), return_mode="median")
             print(f"DZ_PROGRAMS {n:6d}: bwd {ms:.3f} ms")
         conv.DZ_PROGRAMS = default
+    bench_split(x, w, b, cu, init, dy)
     compare_fla(x, w, b, cu, init, dy)
+
+
+def bench_split(x, w, b, cu, init, dy):
+    """The split conv (``split_sizes``: q, k, v of Qwen3-Next written as three parts, PARTS == 3) against
+    the whole conv with the same total channels: the ``conv_splits`` flag of the CUDA backends
+    (kernels/fla_backend.py) goes on only where the split is not slower."""
+    C = x.shape[-1]
+    sizes = [C // 4, C // 4, C // 2]
+    dys = [p.contiguous() for p in dy.split(sizes, -1)]
+    whole = (do_bench(lambda: conv.causal_conv1d_fwd(x, w, b, cu, init, "silu", True), return_mode="median"),
+             do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu"), return_mode="median"))
+    split = (do_bench(lambda: conv.causal_conv1d_fwd(x, w, b, cu, init, "silu", True, split_sizes=sizes),
+                      return_mode="median"),
+             do_bench(lambda: conv.causal_conv1d_bwd(dys, None, x, w, b, cu, init, "silu"), return_mode="median"))
+    print(f"whole conv: fwd {whole[0]:.3f} ms, bwd {whole[1]:.3f} ms; split {sizes}: fwd {split[0]:.3f} ms, "
+          f"bwd {split[1]:.3f} ms (split / whole: {split[0] / whole[0]:.2f}x, {split[1] / whole[1]:.2f}x)")
 
 
 def compare_fla(x, w, b, cu, init, dy):

@@ -96,6 +96,9 @@ def packed_cu(T, N, empty):
     return cu
 
 
+SPLIT_CONV = False   # --split-conv
+
+
 def layer_calls(T, N, empty=False, device="cpu", dtype=torch.bfloat16):
     """Every kernel launch of one layer forward+backward (and a decode step of N sequences) on the
     ``ascend`` backend: the Backend object's callables with the shapes the layer gives them. Data is
@@ -111,6 +114,10 @@ def layer_calls(T, N, empty=False, device="cpu", dtype=torch.bfloat16):
     conv_h0 = torch.empty(N, C, W - 1, device=device)
     y, fin = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, conv_h0, True)
     be.causal_conv1d_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, conv_h0)
+    if SPLIT_CONV:   # the split conv's kernels (PARTS == 3), whatever the backend's conv_splits flag
+        parts, fin = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, conv_h0, True,
+                                      split_sizes=[HK * D, HK * D, HV * D])
+        be.causal_conv1d_bwd(parts, fin, mixed[..., :C], weight, None, "silu", cu, conv_h0)
     a, b = mixed[..., C:C + HV], mixed[..., C + HV:]
     A_log, dt_bias = torch.empty(HV, device=device), torch.empty(HV, device=device)
     gate, beta = be.gdn_gate(a, b, A_log, dt_bias)
@@ -198,7 +205,11 @@ def main(argv=None):
     ap.add_argument("--grid-check", type=int, nargs=2, action="append", metavar=("T", "N"))
     ap.add_argument("--kill-adapter-on", metavar="KERNEL",
                     help="make triton-adapter-opt die by SIGSEGV whenever it lowers KERNEL (the retry's test)")
+    ap.add_argument("--split-conv", action="store_true",
+                    help="also lower the split conv (q, k, v written as three parts: PARTS == 3)")
     args = ap.parse_args(argv)
+    global SPLIT_CONV
+    SPLIT_CONV = args.split_conv
     if args.kill_adapter_on:
         fake_npu_driver.kill_adapter_on(args.kill_adapter_on)
     stand_in_npu_tensors_and_options()

@@ -87,22 +87,43 @@ def _preact(x, init, w, bias, x_base, init_base, r, c, valid, near, cmask,
 
 
 @triton.jit
-def _parts(p0, p1, p2, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2, PARTS: tl.constexpr):
-    """Columns ``c`` of a ``[B, T, C]`` whole held as three parts ``[B, T, w_g]`` with strides
-    ``(sb_g, st_g, sc_g)`` (part g has columns ``e_{g-1} .. e_g``; ``e_{-1} = 0``): returns each column's
-    pointer at (b, t) = (0, 0) of its part, and its part's batch and token strides.
+def _part_ptrs(p0, p1, p2, b, tok, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2):
+    """Addresses of (batch row b, token ``tok``, column ``c``) of a ``[B, T, C]`` whole held as three
+    parts ``[B, T, w_g]`` with strides ``(sb_g, st_g, sc_g)`` (part g has columns ``e_{g-1} .. e_g``,
+    ``e_{-1} = 0``) in each part, and the column masks of the three parts. Each part is addressed with
+    its own scalar strides (no select of pointers: a per-column pointer defeats vectorised access, and
+    triton-ascend 3.2.0's ``triton-adapter-opt`` crashes on one)."""
+    a0 = p0 + b * sb0 + tok * st0 + c * sc0
+    a1 = p1 + b * sb1 + tok * st1 + (c - e0) * sc1
+    a2 = p2 + b * sb2 + tok * st2 + (c - e1) * sc2
+    return a0, a1, a2, c < e0, (c >= e0) & (c < e1), c >= e1
 
-    ``PARTS == 1``: one whole tensor ``p0`` (the rest ignored), addressed without a select: triton-ascend
-    3.2.0's ``triton-adapter-opt`` crashes on a select of pointers (so the ``ascend`` backend never
-    splits)."""
+
+@triton.jit
+def _load_parts(p0, p1, p2, b, tok, c, mask, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2,
+                ACC: tl.constexpr, PARTS: tl.constexpr):
+    """Values at (b, tok, c) of a ``[B, T, C]`` tensor given whole (``PARTS == 1``: ``p0``) or as three
+    parts (``_part_ptrs``), in ACC; 0 where not ``mask``. Three masked loads, one per part."""
     if PARTS == 1:
-        zero = tl.zeros_like(c)
-        return p0 + c * sc0, sb0 + zero, st0 + zero
-    in1 = c >= e0
-    in2 = c >= e1
-    col = c - tl.where(in2, e1, tl.where(in1, e0, 0))
-    ptr = tl.where(in2, p2 + col * sc2, tl.where(in1, p1 + col * sc1, p0 + col * sc0))
-    return ptr, tl.where(in2, sb2, tl.where(in1, sb1, sb0)), tl.where(in2, st2, tl.where(in1, st1, st0))
+        return tl.load(p0 + b * sb0 + tok * st0 + c * sc0, mask=mask, other=0.0).to(ACC)
+    a0, a1, a2, m0, m1, m2 = _part_ptrs(p0, p1, p2, b, tok, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2)
+    v = tl.load(a0, mask=mask & m0, other=0.0).to(ACC)
+    v += tl.load(a1, mask=mask & m1, other=0.0).to(ACC)
+    return v + tl.load(a2, mask=mask & m2, other=0.0).to(ACC)
+
+
+@triton.jit
+def _store_parts(p0, p1, p2, b, tok, c, val, mask, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2,
+                 PARTS: tl.constexpr):
+    """Stores ``val`` at (b, tok, c) as ``_load_parts`` reads: three masked stores, one per part."""
+    if PARTS == 1:
+        tl.store(p0 + b * sb0 + tok * st0 + c * sc0, val.to(p0.dtype.element_ty), mask=mask)
+    else:
+        a0, a1, a2, m0, m1, m2 = _part_ptrs(p0, p1, p2, b, tok, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1,
+                                            sb2, st2, sc2)
+        tl.store(a0, val.to(p0.dtype.element_ty), mask=mask & m0)
+        tl.store(a1, val.to(p1.dtype.element_ty), mask=mask & m1)
+        tl.store(a2, val.to(p2.dtype.element_ty), mask=mask & m2)
 
 
 @triton.jit
@@ -132,7 +153,7 @@ def _tile(tile, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     return b, t, c, t < T, c < C
 
 
-@triton.jit(do_not_specialize=["T", "NT", "stride_xb", "e0", "e1", "sy0b", "sy1b", "sy2b"])
+@triton.jit(do_not_specialize=["T", "NT", "stride_xb", "sy0b", "sy1b", "sy2b"])
 def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0t, sy0c, sy1b, sy1t, sy1c,
                      sy2b, sy2t, sy2c, T, NT, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
                      stride_in, stride_ic, stride_ik,
@@ -162,8 +183,8 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
                     W, HAS_BIAS, HAS_INIT, ACC)
         if SILU:
             z = z / (1.0 + tl.exp(-z))
-        yc, syb, syt = _parts(y, y1, y2, c, e0, e1, sy0b, sy0t, sy0c, sy1b, sy1t, sy1c, sy2b, sy2t, sy2c, PARTS)
-        tl.store(yc[None, :] + b * syb[None, :] + t[:, None] * syt[None, :], z.to(y.dtype.element_ty), mask=valid)
+        _store_parts(y, y1, y2, b, t[:, None], c[None, :], z, valid, e0, e1, sy0b, sy0t, sy0c, sy1b, sy1t, sy1c,
+                     sy2b, sy2t, sy2c, PARTS)
 
 
 @triton.jit(do_not_specialize=["T", "N", "stride_xb"])
@@ -196,7 +217,7 @@ def _dw_col(dw_part, part, acc, W: tl.constexpr, i: tl.constexpr, cmask):
     tl.store(dw_part + part * W + (W - 1 - i), tl.sum(acc, 0), mask=cmask)
 
 
-@triton.jit(do_not_specialize=["T", "NT", "stride_xb", "e0", "e1", "sd0b", "sd1b", "sd2b"])
+@triton.jit(do_not_specialize=["T", "NT", "stride_xb", "sd0b", "sd1b", "sd2b"])
 def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                     sd2b, sd2t, sd2c, dz, dw_part, db_part,
                     T, NT, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
@@ -221,7 +242,6 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
     acc2 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
     acc3 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
     acc_dw = tl.zeros((BLOCK_C, BLOCK_W), ACC)      # taps past 4: [channel, tap index of weight]
-    dyc, dyb, dyt = _parts(dy, dy1, dy2, c, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c, sd2b, sd2t, sd2c, PARTS)
     for tile in range(pid, NT, tl.num_programs(0)):
         b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
         if IS_VARLEN:
@@ -238,7 +258,8 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
         near = tl.min(tl.where(tmask, r1, W)) < W - 1
         c2, cm2 = c[None, :], cmask[None, :]
         valid = tmask[:, None] & cm2
-        g = tl.load(dyc[None, :] + b * dyb[None, :] + t[:, None] * dyt[None, :], mask=valid, other=0.0).to(ACC)
+        g = _load_parts(dy, dy1, dy2, b, t[:, None], c2, valid, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
+                        sd2b, sd2t, sd2c, ACC, PARTS)
         g = _dz(x, init, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                 W, HAS_BIAS, HAS_INIT, SILU, ACC)
@@ -308,7 +329,7 @@ def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_
         tl.store(dx + rows * C + c2, acc.to(dx.dtype.element_ty), mask=valid)
 
 
-@triton.jit(do_not_specialize=["T", "N", "stride_xb", "e0", "e1", "sd0b", "sd1b", "sd2b"])
+@triton.jit(do_not_specialize=["T", "N", "stride_xb", "sd0b", "sd1b", "sd2b"])
 def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                            sd2b, sd2t, sd2c, dfinal, dinit,
                            T, N, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
@@ -329,24 +350,24 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
     cmask = c < C
     kvalid = cmask & (k < W - 1)
     r = k - (W - 1)
-    dyc, dyb, dyt = _parts(dy, dy1, dy2, c, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c, sd2b, sd2t, sd2c, PARTS)
     for n32 in range(tl.program_id(0), N, tl.num_programs(0)):
         n = n32 + tl.zeros((), tl.int64)
         if IS_VARLEN:
             s = tl.load(cu + n)
             length = tl.load(cu + n + 1) - s
             x_base = s * stride_xt
-            dy_row = dyc + s * dyt    # dy at the sequence's first token
+            dy_b, dy_t0 = 0, s        # dy of the sequence's tokens: row 0 from its first token
         else:
             length = T + tl.zeros((), tl.int64)
             x_base = n * stride_xb
-            dy_row = dyc + n * dyb
+            dy_b, dy_t0 = n, 0
         init_base = n * stride_in
         acc = tl.zeros((BLOCK_C, BLOCK_K), ACC)
         for j in tl.static_range(W):
             rt = r + j
             at = kvalid & (rt >= 0) & (rt < length)
-            g = tl.load(dy_row + rt * dyt, mask=at, other=0.0).to(ACC)
+            g = _load_parts(dy, dy1, dy2, dy_b, dy_t0 + rt, c, at, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
+                            sd2b, sd2t, sd2c, ACC, PARTS)
             dz = _dz(x, init, w, bias, g, x_base, init_base, rt, c, at, True, cmask,
                      stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                      W, HAS_BIAS, True, SILU, ACC)
