@@ -324,9 +324,10 @@ class GatedDeltaNet(nn.Module):
         weight = conv_weight(self.conv1d).squeeze(1)
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
-        # one conv of the q, k, v channels (read in place from mixed) that writes q, k and v as three
+        # one custom op for the q, k, v channels (read in place from mixed) that writes q, k and v as three
         # contiguous tensors, which the chunk kernels take as they are (column slices of one output would be
-        # copied there, forward and backward; one conv per part would cost a call and launches each)
+        # copied there, forward and backward); one launch per pass on a backend with conv_splits, else one
+        # conv per part inside the op
         x, a, b = mixed.split([C, hv, hv], -1)
         (q, k, v), conv_state = causal_conv1d_split(x, weight, [hk * Dk, hk * Dk, hv * Dv], None, activation="silu",
                                                     cu_seqlens=cu, initial_state=initial_state,
