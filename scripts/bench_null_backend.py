@@ -26,10 +26,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 E = torch.empty_like
 
 
-def alloc_only_backend(name: str = "null") -> Backend:
+def alloc_only_backend(name: str = "null", conv_splits: bool | None = None) -> Backend:
     """A backend whose functions only allocate their outputs (final states and initial-state gradients
     too, when asked for): what runs is the layer's own work around the kernels. Also the stand-in of
-    ``tests/test_host_path.py``. Not registered: ``registry.register_backend(alloc_only_backend())``."""
+    ``tests/test_host_path.py``. Not registered: ``registry.register_backend(alloc_only_backend())``.
+    ``conv_splits``: as the backend field; None: as the CUDA backends ship (``fla_backend.CONV_SPLITS``)."""
+    if conv_splits is None:
+        from gdn_layer.kernels.fla_backend import CONV_SPLITS as conv_splits
     def chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
               use_qk_l2norm=False):
         N = q.shape[0] if cu is None else cu.numel() - 1
@@ -56,7 +59,7 @@ def alloc_only_backend(name: str = "null") -> Backend:
         causal_conv1d_bwd=conv_bwd,
         gdn_gate_bwd=lambda dg, dbeta, a, b, A_log, dt_bias: (E(a), E(b), E(A_log), E(dt_bias)),
         gated_rms_norm_bwd=lambda dy, x, z, weight, eps=1e-6: (E(x), E(z), E(weight)), dense_as_packed=True,
-        conv_splits=True)
+        conv_splits=conv_splits)
 
 
 class OpLog(TorchDispatchMode):
