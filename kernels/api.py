@@ -87,8 +87,9 @@ def causal_conv1d_split(x, weight, split_sizes, bias=None, activation="silu", cu
                         output_final_state=False, backend="auto"):
     """``causal_conv1d`` with its output in parts: ``y.split(split_sizes, -1)``, each part contiguous.
 
-    For the layer's q, k and v: one conv call (on the CUDA and Ascend backends, one launch per pass,
-    forward and backward) instead of one per part, and no copy to make the column slices contiguous.
+    For the layer's q, k and v: one conv call instead of one per part, and no copy to make the column
+    slices contiguous. On a backend with ``conv_splits`` one launch per pass, forward and backward; the
+    shipped backends run one conv per part inside the call (docs/kernels.md).
 
     Args:
         split_sizes: 1 to 3 non-negative ints summing to C = ``x.shape[-1]``.

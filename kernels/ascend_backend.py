@@ -84,8 +84,9 @@ def make_backend():
     # task's sequence from the chunk offsets, and the capacity index's padding rows would send them past
     # cu_seqlens (fla_backend.exact_chunk_index)
     exact = fla_backend.exact_chunk_index
-    # conv_splits=False: the split conv's first kernels (a select of pointers) crashed triton-ascend 3.2.0's
-    # lowering; the masked per-part access since is not lowered by the probe yet (one conv per part here)
+    # conv_splits=False: one conv per part. The split conv's first kernels (a select of pointers) crashed
+    # triton-ascend 3.2.0's lowering; the masked per-part access since lowers (tests/ascend_probe.py
+    # --split-conv) but is not timed on an NPU
     return dataclasses.replace(fla_backend.make_backend(), name="ascend", available=available, priority=10,
                                conv_splits=False,
                                recurrent_gated_delta_rule=recurrent_fwd,

@@ -223,7 +223,7 @@ def main(argv=None):
         res["dropped_options"] = sorted(DROPPED)
         res["lowered"] = RECORD.lowered
         from gdn_layer.kernels import ascend_backend
-        res["conv_splits"] = ascend_backend.make_backend().conv_splits   # (the split conv does not lower)
+        res["conv_splits"] = ascend_backend.make_backend().conv_splits   # (one conv per part; --split-conv lowers the split)
     if args.grid_check:
         res["grids"] = grid_run(args)
     res["adapter_crashes"] = RECORD.adapter_crashes     # lowerings run again (fake_npu_driver.retry_on_signal)

@@ -3,12 +3,20 @@
 backend: outputs, states, every parameter gradient, decode. fla's chunk kernels do not run under the
 interpreter, so this backend keeps the torch chunk/recurrent ops; they are checked on the GPU
 (tests/test_cuda_backends.py)."""
+import dataclasses
+
+import pytest
 import torch
 
 from gdn_layer import GatedDeltaNet
+from gdn_layer.kernels import registry
 
 
-def test_the_triton_kernels_bound_as_the_cuda_backends_bind_them_match_the_torch_layer(triton_cpu_backend):
+@pytest.mark.parametrize("conv_splits", [False, True])   # one conv per part (as shipped), and the split kernels
+def test_the_triton_kernels_bound_as_the_cuda_backends_bind_them_match_the_torch_layer(triton_cpu_backend,
+                                                                                        conv_splits, monkeypatch):
+    b = registry.backend_by_name(triton_cpu_backend)
+    monkeypatch.setitem(registry._BACKENDS, triton_cpu_backend, dataclasses.replace(b, conv_splits=conv_splits))
     torch.manual_seed(0)
     ref = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
     with torch.no_grad():

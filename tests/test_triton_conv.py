@@ -96,6 +96,14 @@ def test_dz_pass_sums_dweight_over_a_programs_tiles(monkeypatch, W, dz_programs)
     assert_matches_reference(make_inputs(1, 150, 20, W, cu=[0, 3, 40, 41, 150], seed=W + dz_programs), "silu")
 
 
+@pytest.mark.parametrize("W", [2, 4, 7])
+@pytest.mark.parametrize("dz_programs", [1, 3])
+def test_dz_pass_over_batch_rows_without_bias_or_state(monkeypatch, W, dz_programs):
+    """Dense B = 3 (a program's tiles span batch rows), no bias, no initial state, C over 2 channel blocks."""
+    monkeypatch.setattr(conv, "DZ_PROGRAMS", dz_programs)
+    assert_matches_reference(make_inputs(3, 70, 70, W, init=False, bias=False, seed=W), "silu", final=False)
+
+
 def test_wide_channels_span_several_channel_blocks():
     assert_matches_reference(make_inputs(1, 70, 72, 3, cu=[0, 5, 70], seed=3), "swish")
 

@@ -312,3 +312,17 @@ def test_l2norm_pair_is_one_launch_per_pass_and_matches_float64(monkeypatch, dty
     # the single-tensor path is the same kernel without PAIR, and agrees with the pair
     assert torch.equal(l2norm.l2norm_fwd(k), kn) and torch.equal(l2norm.l2norm_bwd(k, dk), gk)
     assert not fwd.kwargs[1]["PAIR"]
+
+
+def test_the_cuda_backends_normalise_q_and_k_in_one_launch(monkeypatch):
+    """fla's and FlashQLA's input preparation (``_prep``) take the pair kernel: one launch, ``PAIR``."""
+    from gdn_layer.kernels import fla_backend, flash_qla_backend
+    from gdn_layer.kernels.triton import l2norm
+    spy = LaunchSpy(l2norm._l2norm_fwd_kernel)
+    monkeypatch.setattr(l2norm, "_l2norm_fwd_kernel", spy)
+    q, k, v = (torch.randn(1, 10, 2, 16, device=DEVICE) for _ in range(3))
+    beta = torch.rand(1, 10, 2, device=DEVICE)
+    qn, kn, _, _ = fla_backend._prep(q, k, v, beta, True)
+    flash_qla_backend._prep(q, k, v, beta, beta, True)
+    assert len(spy.launches) == 2 and all(kw["PAIR"] for kw in spy.kwargs)
+    torch.testing.assert_close(kn, k * torch.rsqrt(k.square().sum(-1, keepdim=True) + l2norm.EPS))
