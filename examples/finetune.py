@@ -466,7 +466,12 @@ def summary_line(resumed_at: int, start: float, before: float, steps: int, after
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as e:   # refused while parsing: argparse's short form (rank 0 only), not a traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{os.path.basename(sys.argv[0]) or 'finetune.py'}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         run(args)
     finally:

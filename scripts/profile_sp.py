@@ -19,6 +19,7 @@ writes each rank's Chrome trace (``trace_rank{r}.json.gz``).
 from __future__ import annotations
 
 import argparse
+import sys
 import gzip
 import json
 import os
@@ -137,6 +138,9 @@ def main():
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--trace", help="also write each rank's Chrome trace here (gzipped)")
     args = ap.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from requires import require_cuda
+    require_cuda("profile_sp.py")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")

@@ -12,6 +12,7 @@ if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1 || 
     openmpi-bin libopenmpi-dev fortunes
 fi
 
+echo "setup: .venv (torch 2.13.0 CPU, the project with its test, hf and example extras, fla-core) ..."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # torch first, pinned: 2.13.0 is the CPU wheel this machine's pip finds locally; an unpinned
 # torch would pull a multi-GB CUDA build.
@@ -25,6 +26,7 @@ fi
 # probe runs our kernels and fla-core's Ascend kernels through its compiler with a stand-in NPU driver;
 # 3.2.0 is the version this machine's package index offers (fla-core 0.6's Ascend kernels want 3.6.0:
 # see the `npu` extra in pyproject.toml and docs/kernels.md).
+echo "setup: .venv-ascend (triton-ascend 3.2.0 for the NPU compile tests) ..."
 [ -x .venv-ascend/bin/python ] || python3 -m venv .venv-ascend
 .venv-ascend/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv-ascend/bin/pip install -q --disable-pip-version-check triton-ascend==3.2.0 pybind11 numpy packaging einops

@@ -122,6 +122,22 @@ def test_seq_len_not_divisible_by_the_split_is_refused_in_argument_parsing(monke
     assert finetune.parse_args(["--seq-len", "256", *extra]).seq_len == 256
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_refused_argument_is_one_error_line_from_the_lead_rank(monkeypatch, capsys, rank):
+    """``main`` turns parse_args' ValueError into argparse's short form (exit 2, no traceback), printed by
+    rank 0 only: under torchrun every rank parses the same arguments."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit_:
+        finetune.main(["--seq-len", "255", "--sp", "2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    if rank == "0":
+        assert err.count("\n") == 1 and ": error: --seq-len 255 must be divisible by --sp 2" in err, err
+    else:
+        assert err == ""
+
+
 def test_only_the_lead_rank_shows_a_progress_bar():
     assert not finetune.progress_bar(0, 3, lead=True).disable
     assert finetune.progress_bar(0, 3, lead=False).disable

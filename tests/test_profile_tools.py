@@ -168,6 +168,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ["examples/compile_check.py"],
     ["scripts/bench_null_backend.py", "--device", "cuda"],
     ["scripts/probe_autograd_thread.py"],
+    ["scripts/profile_sp.py"],
 ])
 def test_gpu_scripts_refuse_a_machine_without_cuda_by_name(command):
     """Where no CUDA GPU is visible (this CI machine), each GPU measurement says so in one line, instead of
