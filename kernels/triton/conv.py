@@ -162,7 +162,7 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
                      PARTS: tl.constexpr):
     """y for token tiles p, p + P, ... (of the NT = ``cdiv(T, BLOCK_T) * B``; P programs on axis 0) and
     channel block ``program_id(1)``; a tile is tokens [tb*BLOCK_T, +BLOCK_T) of batch row b. y is
-    written as the parts ``y, y1, y2`` split at columns ``e0, e1`` (``_parts``)."""
+    written as the parts ``y, y1, y2`` split at columns ``e0, e1`` (``_store_parts``)."""
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
         if IS_VARLEN:  # B == 1; positions are relative to each token's own sequence start
@@ -227,7 +227,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr):
     """dz (the pre-activation's gradient) for the forward's tiles (p, p + P, ...), and the program's
     partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts). dy comes as the
-    parts ``dy, dy1, dy2`` split at columns ``e0, e1`` (``_parts``).
+    parts ``dy, dy1, dy2`` split at columns ``e0, e1`` (``_load_parts``).
 
     z is recomputed from x (W taps); the taps are read again for dweight (cache hits). The dweight and
     dbias products of the first 4 taps are summed elementwise over the program's tiles and reduced over
@@ -399,7 +399,8 @@ def _strides3(t):
 
 
 def _as_parts(whole_or_parts, C):
-    """``(args, PARTS)``: the ``_parts`` arguments ``(p0, p1, p2, e0, e1, *strides of the three)`` for a
+    """``(args, PARTS)``: the ``_load_parts`` / ``_store_parts`` arguments ``(p0, p1, p2, e0, e1, *strides of
+    the three)`` for a
     ``[B, T, C]`` tensor given whole (``PARTS`` 1) or as a list of 1-3 ``[B, T, w]`` parts with widths
     summing to C (``PARTS`` 3). An empty part takes another's pointer (never read: its columns are empty)."""
     if isinstance(whole_or_parts, torch.Tensor):
