@@ -400,9 +400,8 @@ def _strides3(t):
 
 def _as_parts(whole_or_parts, C):
     """``(args, PARTS)``: the ``_load_parts`` / ``_store_parts`` arguments ``(p0, p1, p2, e0, e1, *strides of
-    the three)`` for a
-    ``[B, T, C]`` tensor given whole (``PARTS`` 1) or as a list of 1-3 ``[B, T, w]`` parts with widths
-    summing to C (``PARTS`` 3). An empty part takes another's pointer (never read: its columns are empty)."""
+    the three)`` for a ``[B, T, C]`` tensor given whole (``PARTS`` 1) or as a list of 1-3 ``[B, T, w]`` parts
+    with widths summing to C (``PARTS`` 3). An empty part takes another's pointer (never read: its columns are empty)."""
     if isinstance(whole_or_parts, torch.Tensor):
         t = whole_or_parts
         return (t, t, t, C, C, *t.stride(), *t.stride(), *t.stride()), 1
