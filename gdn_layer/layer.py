@@ -12,7 +12,9 @@ from gdn_layer import hf_blocks, kernels
 from gdn_layer.checks import check_config, check_inputs
 from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.derived import derived_from_sizes
-from gdn_layer.kernels import causal_conv1d_split, chunk_gated_delta_rule, gdn_gate, recurrent_gated_delta_rule
+from gdn_layer.kernels import (causal_conv1d, causal_conv1d_split, chunk_gated_delta_rule, gdn_gate,
+                               recurrent_gated_delta_rule)
+from gdn_layer.kernels.registry import backend_by_name, backend_name
 from gdn_layer.kernels.validation import skip_value_checks
 from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import (gather_heads, head_to_seq, partition_heads, project_seq_to_head, resolve_sp_group,
@@ -324,14 +326,30 @@ class GatedDeltaNet(nn.Module):
         weight = conv_weight(self.conv1d).squeeze(1)
         if self.sp_size > 1:
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
-        # one custom op for the q, k, v channels (read in place from mixed) that writes q, k and v as three
-        # contiguous tensors, which the chunk kernels take as they are (column slices of one output would be
-        # copied there, forward and backward); one launch per pass on a backend with conv_splits, else one
-        # conv per part inside the op
-        x, a, b = mixed.split([C, hv, hv], -1)
-        (q, k, v), conv_state = causal_conv1d_split(x, weight, [hk * Dk, hk * Dk, hv * Dv], None, activation="silu",
-                                                    cu_seqlens=cu, initial_state=initial_state,
-                                                    output_final_state=output_state, backend=self._backend)
+        widths = [hk * Dk, hk * Dk, hv * Dv]
+        conv = dict(activation="silu", cu_seqlens=cu, output_final_state=output_state, backend=self._backend)
+        if backend_by_name(backend_name(self._backend, mixed.device)).conv_splits:
+            # one custom op and one launch per pass for the q, k, v channels (read in place from mixed),
+            # writing q, k and v as three contiguous tensors, which the chunk kernels take as they are
+            x, a, b = mixed.split([C, hv, hv], -1)
+            (q, k, v), conv_state = causal_conv1d_split(x, weight, widths, None, initial_state=initial_state, **conv)
+        elif not _is_decode(mixed, cu):
+            # training / prefill: one conv per q, k, v channel group, each reading its slice of mixed in
+            # place and writing a contiguous output (one conv of all channels returns column slices, and v
+            # would be copied in the forward and again in the backward). One split of mixed and one of the
+            # weight: each backward writes the whole gradient with one concatenation (a split op run per
+            # part inside would concatenate dx once more)
+            *xs, a, b = mixed.split([*widths, hv, hv], -1)
+            states = [None] * 3 if initial_state is None else initial_state.split(widths, 1)
+            outs = [causal_conv1d(xi, wi, None, initial_state=si, **conv)
+                    for xi, wi, si in zip(xs, weight.split(widths), states)]
+            q, k, v = (o for o, _ in outs)
+            conv_state = torch.cat([st for _, st in outs], 1) if output_state else None
+        else:
+            # decode (one token per sequence): one conv launch for all channels
+            x, a, b = mixed.split([C, hv, hv], -1)
+            qkv, conv_state = causal_conv1d(x, weight, None, initial_state=initial_state, **conv)
+            q, k, v = qkv.split(widths, -1)
         return (q.unflatten(-1, (hk, Dk)), k.unflatten(-1, (hk, Dk)), v.unflatten(-1, (hv, Dv)),
                 a, b, conv_state)
 

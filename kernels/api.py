@@ -7,6 +7,11 @@ from .validation import (check_conv_inputs, check_flags, check_float_tensors, ch
                          check_split_sizes)
 
 
+def _activation(activation) -> str:
+    """The conv ops' activation name (validated before): "silu" for "silu" / "swish", else "identity"."""
+    return "silu" if activation in ("silu", "swish") else "identity"
+
+
 def _scale(scale, q) -> float:
     return float(q.shape[-1] ** -0.5 if scale is None else scale)
 
@@ -78,8 +83,8 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     check_flags(output_final_state=output_final_state)
     _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
     name = backend_name(backend, x.device)
-    activation = "silu" if activation in ("silu", "swish") else "identity"
-    y, final = ops.causal_conv1d_op(x, weight, bias, initial_state, cu, activation, output_final_state, name)
+    y, final = ops.causal_conv1d_op(x, weight, bias, initial_state, cu, _activation(activation), output_final_state,
+                                    name)
     return y, (final if output_final_state else None)
 
 
@@ -88,8 +93,9 @@ def causal_conv1d_split(x, weight, split_sizes, bias=None, activation="silu", cu
     """``causal_conv1d`` with its output in parts: ``y.split(split_sizes, -1)``, each part contiguous.
 
     For the layer's q, k and v: one conv call instead of one per part, and no copy to make the column
-    slices contiguous. On a backend with ``conv_splits`` one launch per pass, forward and backward; the
-    shipped backends run one conv per part inside the call (docs/kernels.md).
+    slices contiguous. On a backend with ``conv_splits`` one launch per pass, forward and backward;
+    on the others one conv per part inside the call (the layer then calls ``causal_conv1d`` per part
+    itself: docs/kernels.md).
 
     Args:
         split_sizes: 1 to 3 non-negative ints summing to C = ``x.shape[-1]``.
@@ -106,8 +112,7 @@ def causal_conv1d_split(x, weight, split_sizes, bias=None, activation="silu", cu
     _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
     sizes = check_split_sizes(split_sizes, x.shape[-1])
     name = backend_name(backend, x.device)
-    activation = "silu" if activation in ("silu", "swish") else "identity"
-    *ys, final = ops.causal_conv1d_split_op(x, weight, bias, initial_state, cu, sizes, activation,
+    *ys, final = ops.causal_conv1d_split_op(x, weight, bias, initial_state, cu, sizes, _activation(activation),
                                             output_final_state, name)
     return ys[:len(split_sizes)], (final if output_final_state else None)
 

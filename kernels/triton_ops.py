@@ -10,16 +10,6 @@ one stride rule itself (``triton/_layout.py``), so nothing is copied here.
 from __future__ import annotations
 
 
-def l2norm_fwd(x):
-    from .triton.l2norm import l2norm_fwd as f
-    return f(x)
-
-
-def l2norm_bwd(x, dy):
-    from .triton.l2norm import l2norm_bwd as f
-    return f(x, dy)
-
-
 def l2norm_qk_fwd(q, k):
     from .triton.l2norm import l2norm_pair_fwd
     return l2norm_pair_fwd(q, k)

@@ -81,7 +81,7 @@ def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=Tru
                                   dcu, True)
     else:
         o = v
-        triton_ops.l2norm_bwd(q, triton_ops.l2norm_fwd(q))
+        triton_ops.l2norm_qk_bwd(q, k, *triton_ops.l2norm_qk_fwd(q, k))   # (the pair, as the backends launch it)
     triton_ops.norm_bwd(o, o, z, torch.ones(D, dtype=dtype), 1e-6)
     triton_ops.norm_fwd(o, z, torch.ones(D, dtype=dtype), 1e-6)
 

@@ -24,13 +24,21 @@ ZERO_FILLS = {f"aten::{op}" for op in ("zeros", "zeros_like", "zero_", "fill_", 
                                         "select_backward", "index_put", "index_put_")}
 
 
-@pytest.fixture(scope="module")
-def alloc_only_backend():
+@pytest.fixture(scope="module", params=[False, True], ids=["per_part", "conv_splits"])
+def alloc_only_backend(request):
+    """The benchmark's stand-in, with and without ``conv_splits`` (the layer's two conv paths)."""
     from bench_null_backend import alloc_only_backend as make   # (scripts/: the benchmark's stand-in)
-    b = make("alloc_only")
+    b = make("alloc_only", conv_splits=request.param)
     registry.register_backend(b)
     yield b.name
     registry._BACKENDS.pop(b.name)
+
+
+def conv_ops(backend: str) -> list[str]:
+    """The conv's custom ops in one layer forward+backward: one split op, or one conv per q, k, v part."""
+    if registry.backend_by_name(backend).conv_splits:
+        return ["gdn_layer::causal_conv1d_split", "gdn_layer::causal_conv1d_split_bwd"]
+    return 3 * ["gdn_layer::causal_conv1d", "gdn_layer::causal_conv1d_bwd"]
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -52,24 +60,26 @@ def test_backward_builds_no_zero_filled_parameter_gradients(alloc_only_backend, 
     with skip_value_checks(), backward:
         loss.backward()
     assert layer.conv1d.weight.grad is not None and layer.A_log.grad is not None   # the backward did run
-    assert "gdn_layer::causal_conv1d_split_bwd" in backward.names and "gdn_layer::gdn_gate_bwd" in backward.names
+    assert conv_ops(alloc_only_backend)[1] in backward.names and "gdn_layer::gdn_gate_bwd" in backward.names
     assert not ZERO_FILLS & set(forward.names), sorted(ZERO_FILLS & set(forward.names))
     assert not ZERO_FILLS & set(backward.names), sorted(ZERO_FILLS & set(backward.names))
 
 
-def test_one_layer_call_is_eight_custom_ops_and_counted_by_the_benchmark(alloc_only_backend, monkeypatch, capsys):
-    """Forward + backward of a packed training call: one custom op each for the conv (q, k and v from one
-    ``causal_conv1d_split``), the gate, the chunk rule and the norm, and their backwards; the benchmark's
-    ``--count-ops`` reports the same."""
+def test_one_layer_call_is_its_custom_ops_and_counted_by_the_benchmark(alloc_only_backend, monkeypatch, capsys):
+    """Forward + backward of a packed training call: one custom op each for the gate, the chunk rule and
+    the norm and their backwards, and the conv as one ``causal_conv1d_split`` (8 in all) or, without
+    ``conv_splits``, one ``causal_conv1d`` per q, k, v part (12: the shipped CUDA backends); the benchmark's
+    ``--count-ops`` (which follows the shipped flag) reports the same."""
     import bench_null_backend
+    from gdn_layer.kernels.fla_backend import CONV_SPLITS
     monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))   # (main() registers "null": undone after)
     monkeypatch.setattr(sys, "argv", ["bench_null_backend.py", "--T", "24", "--count-ops"])
     bench_null_backend.main()
     out = capsys.readouterr().out
-    assert "(custom ops 8: [" in out and "'gdn_layer::causal_conv1d_split_bwd'" in out, out
+    assert f"(custom ops {8 if CONV_SPLITS else 12}: [" in out and f"'{conv_ops('null')[1]}'" in out, out
     layer = GatedDeltaNet(64, 2, 4, 16, 16, backend=alloc_only_backend)
     x = torch.randn(1, 24, 64, requires_grad=True)
     names = bench_null_backend.dispatched_ops(lambda: layer(x, cu_seqlens=torch.tensor([0, 10, 24])).sum().backward())
-    assert sorted(n for n in names if n.startswith("gdn_layer::")) == sorted(
-        f"gdn_layer::{op}{suffix}" for op in ("causal_conv1d_split", "gdn_gate", "chunk_gated_delta_rule", "gated_rms_norm")
-        for suffix in ("", "_bwd"))
+    assert sorted(n for n in names if n.startswith("gdn_layer::")) == sorted(conv_ops(alloc_only_backend) + [
+        f"gdn_layer::{op}{suffix}" for op in ("gdn_gate", "chunk_gated_delta_rule", "gated_rms_norm")
+        for suffix in ("", "_bwd")])
