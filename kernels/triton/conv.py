@@ -401,7 +401,8 @@ def _strides3(t):
 def _as_parts(whole_or_parts, C):
     """``(args, PARTS)``: the ``_load_parts`` / ``_store_parts`` arguments ``(p0, p1, p2, e0, e1, *strides of
     the three)`` for a ``[B, T, C]`` tensor given whole (``PARTS`` 1) or as a list of 1-3 ``[B, T, w]`` parts
-    with widths summing to C (``PARTS`` 3). An empty part takes another's pointer (never read: its columns are empty)."""
+    with widths summing to C (``PARTS`` 3). An empty part takes another's pointer (never read: its columns
+    are empty)."""
     if isinstance(whole_or_parts, torch.Tensor):
         t = whole_or_parts
         return (t, t, t, C, C, *t.stride(), *t.stride(), *t.stride()), 1
@@ -464,8 +465,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
 
     dy ``[B, T, C]``, or the list of ``[B, T, size]`` gradients of a ``split_sizes`` forward's outputs,
     and dfinal ``[N, C, W - 1]`` (or None) may have any strides. dbias is None
-    without bias, dinitial None without initial_state. dweight and dbias are per-tile partial sums
-    reduced in torch (deterministic).
+    without bias, dinitial None without initial_state. dweight and dbias are per-program partial sums
+    of the dz pass, reduced in torch (deterministic).
     """
     B, T, C = x.shape
     W = weight.shape[1]
