@@ -1,6 +1,6 @@
 """GPU check and timing of the Triton causal conv1d (kernels/triton/conv.py). Needs CUDA.
 
-    python3 scripts/bench_triton_conv.py [--quick]
+    python3 scripts/bench_triton_conv.py [--quick | --sweep]
 
 1. compiled variants stay fixed across packed layouts (T, N, lengths) once each flag combination ran;
 2. forward + backward make no host sync (torch.cuda.set_sync_debug_mode("error"));
@@ -8,6 +8,9 @@
 4. forward / backward times (median of triton.testing.do_bench) on a Qwen3-Next-like conv
    (C = 8192, W = 4, bf16, 32k packed tokens, x a channel slice of a wider buffer), per block config,
    against the bytes each must move at the measured copy bandwidth.
+
+--quick times the shipped block config only; --sweep skips 1-3 and the comparisons and times the block
+configs and the dz pass's tiles only.
 """
 import os
 import sys
@@ -109,7 +112,7 @@ def check_int64_offsets():
     del buf, x, y, dx, dy
 
 
-def bench(quick):
+def bench(quick, sweep=False):
     C, W, T, extra = 8192, 4, 32768, 2048
     buf = torch.randn(1, T, C + extra, device="cuda", dtype=torch.bfloat16)
     x = buf[..., :C]
@@ -136,15 +139,34 @@ def bench(quick):
     for bt, bc, nw, f, bw_ms in sorted(rows, key=lambda r: r[3] + r[4]):
         print(f"{bt:7d} {bc:7d} {nw:5d} {f:8.3f} {fwd_bytes / f / 1e6:7.0f} {bw_ms:8.3f} {bwd_bytes / bw_ms / 1e6:7.0f}")
     conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = configs[0][0], (lambda C, bc=configs[0][1]: bc), configs[0][2]
-    if hasattr(conv, "DZ_PROGRAMS"):  # the dz pass's program count (dweight reduced once per program)
+    if hasattr(conv, "DZ_PROGRAMS") and not sweep:  # the dz pass's program count (dweight reduced once per program)
         default = conv.DZ_PROGRAMS
         for n in (1024, 2048, 4096, 8192, 16384, 65535):
             conv.DZ_PROGRAMS = n
             ms = do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu"), return_mode="median")
             print(f"DZ_PROGRAMS {n:6d}: bwd {ms:.3f} ms")
         conv.DZ_PROGRAMS = default
-    bench_split(x, w, b, cu, init, dy)
-    compare_fla(x, w, b, cu, init, dy)
+    if hasattr(conv, "DZ_BLOCK_T"):  # the dz pass's own tile and warps (five accumulators per tile)
+        bench_dz_tiles(x, w, b, cu, init, dy)
+    if not sweep:
+        bench_split(x, w, b, cu, init, dy)
+        compare_fla(x, w, b, cu, init, dy)
+
+
+def bench_dz_tiles(x, w, b, cu, init, dy):
+    """Backward time for dz-pass tiles (DZ_BLOCK_T x channel block, warps); the dx pass keeps its tile."""
+    default = conv.DZ_BLOCK_T, conv._dz_block_c, conv.DZ_NUM_WARPS
+    C = x.shape[-1]
+    print(f"dz pass tile (default {conv.DZ_BLOCK_T} x {conv._dz_block_c(C)}, {conv.DZ_NUM_WARPS} warps): bwd ms")
+    for bt, bc, nw in ((32, 64, 4), (16, 64, 4), (16, 64, 2), (8, 64, 2), (16, 32, 2), (32, 32, 4),
+                       (16, 128, 4), (8, 128, 4), (32, 128, 8), (32, 64, 8), (64, 64, 8)):
+        conv.DZ_BLOCK_T, conv._dz_block_c, conv.DZ_NUM_WARPS = bt, (lambda C, bc=bc: bc), nw
+        try:
+            ms = do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu"), return_mode="median")
+            print(f"dz tile {bt:3d} x {bc:3d}, {nw} warps: bwd {ms:.3f} ms")
+        except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
+            print(f"dz tile {bt:3d} x {bc:3d}, {nw} warps: failed ({type(e).__name__})")
+    conv.DZ_BLOCK_T, conv._dz_block_c, conv.DZ_NUM_WARPS = default
 
 
 def bench_split(x, w, b, cu, init, dy):
@@ -191,7 +213,8 @@ if __name__ == "__main__":
     from requires import require_cuda
     require_cuda("bench_triton_conv.py")
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
-    check_against_reference()
-    check_recompiles_and_syncs()
-    check_int64_offsets()
-    bench("--quick" in sys.argv)
+    if "--sweep" not in sys.argv:
+        check_against_reference()
+        check_recompiles_and_syncs()
+        check_int64_offsets()
+    bench("--quick" in sys.argv, sweep="--sweep" in sys.argv)

@@ -43,6 +43,20 @@ def main():
         ms = do_bench(lambda: norm.gated_rms_norm_bwd(dy, x, z, w, rstd, 1e-6), return_mode="median")
         print(f"bwd, at most {cap:5d} programs: {ms:.3f} ms{'  (the default)' if cap == default else ''}")
     norm._MAX_PROGRAMS = default
+    # tile (elements) and warps, each pass on its own (norm._TILE / _NUM_WARPS, _TILE_BWD / _NUM_WARPS_BWD)
+    knobs = norm._TILE, norm._NUM_WARPS, norm._TILE_BWD, norm._NUM_WARPS_BWD
+    print(f"tile sweep (defaults: fwd {norm._TILE} elements, bwd {norm._TILE_BWD}; warps by D unless set)")
+    for tile, nw in ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (16384, 8)):
+        norm._TILE, norm._NUM_WARPS, norm._TILE_BWD, norm._NUM_WARPS_BWD = tile, nw, tile, nw
+        f = do_bench(lambda: norm.gated_rms_norm_fwd(x, z, w, 1e-6), return_mode="median")
+        b = do_bench(lambda: norm.gated_rms_norm_bwd(dy, x, z, w, rstd, 1e-6), return_mode="median")
+        print(f"tile {tile:5d}, {nw} warps: fwd {f:.3f} ms, bwd {b:.3f} ms")
+    norm._TILE, norm._NUM_WARPS, norm._TILE_BWD, norm._NUM_WARPS_BWD = knobs
+    # the layer's z is a column slice of the projection output (a row stride wider than D)
+    zw = torch.randn(1, args.T, 2 * args.heads * args.D, device="cuda", dtype=torch.bfloat16)
+    zs = zw[..., args.heads * args.D:].unflatten(-1, (args.heads, args.D))
+    print(f"z a strided slice: fwd {do_bench(lambda: norm.gated_rms_norm_fwd(x, zs, w, 1e-6), return_mode='median'):.3f}"
+          f" ms, bwd {do_bench(lambda: norm.gated_rms_norm_bwd(dy, x, zs, w, rstd, 1e-6), return_mode='median'):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,10 @@ for spec in "$@"; do
     max_tok)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --max-tokens ;;
     max_tok_auto)  TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --max-tokens --layers ours ;;
     conv)          step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" --quick ;;
+    # the conv's block configs and the dz pass's tiles only (no checks, no comparisons)
+    conv_sweep)    step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" --sweep ;;
+    # why torch.compile(mode="reduce-overhead") fails in the backward: graph breaks, three variants, cudagraph-tree events
+    probe_ro)      TORCH_LOGS="graph_breaks,recompiles,+cudagraphs" step "$name" "$t" python3 "$R/scripts/probe_reduce_overhead.py" ;;
     norm)          step "$name" "$t" python3 "$R/scripts/bench_triton_norm.py" ;;
     profile)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend fla ;;
     profile_auto)  step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto ;;

@@ -104,6 +104,19 @@ def test_dz_pass_over_batch_rows_without_bias_or_state(monkeypatch, W, dz_progra
     assert_matches_reference(make_inputs(3, 70, 70, W, init=False, bias=False, seed=W), "silu", final=False)
 
 
+@pytest.mark.parametrize("dz_tile", [(16, 16, 2), (8, 32, 4), (64, 16, 4)])
+@pytest.mark.parametrize("dz_programs", [2, 8192])
+def test_dz_pass_tile_differs_from_the_dx_pass_tile(monkeypatch, dz_tile, dz_programs):
+    """The dz pass has its own tile (DZ_BLOCK_T x _dz_block_c, DZ_NUM_WARPS): its grid and tile count are
+    its own, the dx pass reads its dz in the 32-token tiles; packed over several channel blocks."""
+    bt, bc, nw = dz_tile
+    monkeypatch.setattr(conv, "DZ_BLOCK_T", bt)
+    monkeypatch.setattr(conv, "_dz_block_c", lambda C: bc)
+    monkeypatch.setattr(conv, "DZ_NUM_WARPS", nw)
+    monkeypatch.setattr(conv, "DZ_PROGRAMS", dz_programs)
+    assert_matches_reference(make_inputs(1, 150, 40, 4, cu=[0, 3, 40, 41, 150], seed=bt + bc), "silu")
+
+
 def test_wide_channels_span_several_channel_blocks():
     assert_matches_reference(make_inputs(1, 70, 72, 3, cu=[0, 5, 70], seed=3), "swish")
 

@@ -237,8 +237,12 @@ def test_norm_backward_recomputes_rstd_when_not_saved():
     assert all(rel_err(p, q) <= 1e-6 for p, q in zip(saved, recomputed))
 
 
-def test_norm_many_tiles_per_program_sum_every_row_deterministically(monkeypatch):
-    monkeypatch.setattr(norm, "_TILE", 64)          # BLOCK_M = 2 rows for D = 24
+@pytest.mark.parametrize("tiles", [(64, 64, None, None), (256, 64, 2, 8), (64, 512, 8, 2)])
+def test_norm_many_tiles_per_program_sum_every_row_deterministically(monkeypatch, tiles):
+    """The forward's and the backward's tiles and warps are set apart (_TILE / _NUM_WARPS and
+    _TILE_BWD / _NUM_WARPS_BWD); BLOCK_M = 2 rows for D = 24 at 64 elements."""
+    for name, value in zip(("_TILE", "_TILE_BWD", "_NUM_WARPS", "_NUM_WARPS_BWD"), tiles):
+        monkeypatch.setattr(norm, name, value)
     monkeypatch.setattr(norm, "_MAX_PROGRAMS", 3)   # 33 tiles over 3 programs: each loops
     buf, x, z, w = norm_inputs((65,), 24)
     check_norm(x, z, w, (buf, w))

@@ -48,10 +48,19 @@ BLOCK_T = 32
 NUM_WARPS = 4
 # programs of the backward's dz pass over all channel blocks (it takes cdiv(tiles, programs) tiles each)
 DZ_PROGRAMS = 8192
+# the dz pass's own tile and warps (it holds five [DZ_BLOCK_T, block] accumulators); its channel block is
+# _dz_block_c(C). H200, scripts/bench_triton_conv.py --sweep (C = 8192, bf16, 32k tokens): backward
+# 3.30 ms with 16 x 64 tiles on 2 warps, 4.02 ms with the forward's 32 x 64 on 4 warps (11 tiles tried).
+DZ_BLOCK_T = 16
+DZ_NUM_WARPS = 2
 
 
 def _block_c(C: int) -> int:
     return min(64, max(16, triton.next_power_of_2(C)))
+
+
+def _dz_block_c(C: int) -> int:
+    return _block_c(C)
 
 
 @triton.jit
@@ -474,12 +483,12 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     dt = _compute_dtype(x, weight, bias, initial_state)
     acc = tl.float64 if dt == torch.float64 else tl.float32
     silu = activation in ("silu", "swish")
-    block_c = _block_c(C)
-    n_cb = triton.cdiv(C, block_c)
-    n_tiles = triton.cdiv(T, BLOCK_T) * B
+    block_c, dz_block_c = _block_c(C), _dz_block_c(C)
+    n_cb, dz_n_cb = triton.cdiv(C, block_c), triton.cdiv(C, dz_block_c)
+    n_tiles, dz_n_tiles = triton.cdiv(T, BLOCK_T) * B, triton.cdiv(T, DZ_BLOCK_T) * B
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
-    n_prog = programs(min(n_tiles, triton.cdiv(DZ_PROGRAMS, n_cb)), n_cb) if C > 0 else 0
+    n_prog = programs(min(dz_n_tiles, triton.cdiv(DZ_PROGRAMS, dz_n_cb)), dz_n_cb) if C > 0 else 0
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
     # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
@@ -490,21 +499,21 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     db_part = torch.empty(n_prog, C, dtype=dt, device=x.device)
     dummy = x
     sin, sdf = _strides3(initial_state), _strides3(dfinal)
-    flags = dict(W=W, IS_VARLEN=cu is not None, ACC=acc, BLOCK_C=block_c, num_warps=NUM_WARPS)
+    flags = dict(W=W, IS_VARLEN=cu is not None, ACC=acc)
     dy_parts, parts = _as_parts(dy, C)
     seq_idx = dummy if cu is None else _seq_index(cu, T)
     cu_arg, df_arg = (dummy if cu is None else cu), (dummy if dfinal is None else dfinal)
     if n_prog > 0 and C > 0:
-        _conv_dz_kernel[(n_prog, n_cb)](
+        _conv_dz_kernel[(n_prog, dz_n_cb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             seq_idx, cu_arg, *dy_parts, dz, dw_part, db_part,
-            T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
+            T, dz_n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
-            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=BLOCK_T,
-            BLOCK_W=triton.next_power_of_2(W), PARTS=parts, **flags)
+            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=DZ_BLOCK_T,
+            BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, num_warps=DZ_NUM_WARPS, **flags)
         _conv_dx_kernel[(programs(n_tiles, n_cb), n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
-            HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, **flags)
+            HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS, **flags)
     dinit = None
     if initial_state is not None:
         dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)
@@ -515,7 +524,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
                 T, N, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
                 0 if bias is None else bias.stride(0), *sin, *sdf,
                 HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, SILU=silu,
-                BLOCK_K=triton.next_power_of_2(W - 1), PARTS=parts, **flags)
+                BLOCK_K=triton.next_power_of_2(W - 1), BLOCK_C=block_c, PARTS=parts, num_warps=NUM_WARPS, **flags)
     dweight = dw_part.sum(0).to(weight.dtype)
     dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
     return dx, dweight, dbias, dinit
