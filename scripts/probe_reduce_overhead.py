@@ -3,25 +3,35 @@
 Prints dynamo's graph breaks for the layer, then runs the reduce-overhead loop of
 tests/test_cuda_graphs.py in variants: as the test does (compiled then eager each packing), with
 torch.compiler.cudagraph_mark_step_begin() before each compiled call, and compiled calls only.
+
+    python3 scripts/probe_reduce_overhead.py [BACKEND [VARIANT ...]]
+
+BACKEND: fla (default when available) or auto; VARIANT: as_test, mark_step, compiled_only (default all).
+Run it with TORCH_LOGS=graph_breaks,recompiles,+cudagraphs to see CUDA-graph trees' decisions
+(``bash scripts/gpu_session.sh probe_ro``).
 """
-import os, sys, traceback
-import torch, torch._dynamo as dynamo
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from test_cuda_graphs import make_layer, packings, cu_of, rel_err, T, BACKENDS
+import os
+import sys
 
-be = sys.argv[1] if len(sys.argv) > 1 else ("fla" if "fla" in BACKENDS else "auto")
-layer = make_layer(be, 64)
-x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-ex = dynamo.explain(layer)(x, cu_seqlens=cu_of(packings(2)[0]))
-print("explain: graphs", ex.graph_count, "breaks", ex.graph_break_count, flush=True)
-for b in ex.break_reasons:
-    print("--- break:", b.reason[:400])
-    for f in b.user_stack[-4:]:
-        print("     ", f.filename.split("/")[-1], f.lineno, f.line)
-dynamo.reset()
+import torch
+import torch._dynamo as dynamo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(variant):
+def explain(be):
+    layer = make_layer(be, 64)
+    x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ex = dynamo.explain(layer)(x, cu_seqlens=cu_of(packings(2)[0]))
+    print("explain: graphs", ex.graph_count, "breaks", ex.graph_break_count, flush=True)
+    for b in ex.break_reasons:
+        print("--- break:", b.reason[:400])
+        for f in b.user_stack[-4:]:
+            print("     ", f.filename.split("/")[-1], f.lineno, f.line)
+    dynamo.reset()
+
+
+def run(be, variant):
     dynamo.reset()
     layer = make_layer(be, 64)
     compiled = torch.compile(layer, mode="reduce-overhead")
@@ -40,15 +50,25 @@ def run(variant):
                 y = f(xi, cu_seqlens=cu_of(p))
                 y.backward(dy)
             except Exception as e:
-                print(f"[{variant}] iteration {i} {'compiled' if f is compiled else 'eager'}: {type(e).__name__}: {str(e)[:300]}")
+                which = "compiled" if f is compiled else "eager"
+                print(f"[{variant}] iteration {i} {which}: {type(e).__name__}: {str(e)[:300]}")
                 return
             outs.append((y.detach().clone(), xi.grad.clone()))
         if len(outs) == 2:
-            print(f"[{variant}] iteration {i}: rel err y {rel_err(outs[0][0], outs[1][0]):.2e} dx {rel_err(outs[0][1], outs[1][1]):.2e}")
+            (y_c, g_c), (y_e, g_e) = outs
+            print(f"[{variant}] iteration {i}: rel err y {rel_err(y_c, y_e):.2e} dx {rel_err(g_c, g_e):.2e}")
         else:
             print(f"[{variant}] iteration {i}: ok")
     print(f"[{variant}] passed")
 
 
-for v in sys.argv[2:] or ["as_test", "mark_step", "compiled_only"]:
-    run(v)
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from requires import require_cuda
+    require_cuda("probe_reduce_overhead.py")
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_cuda_graphs import BACKENDS, T, cu_of, make_layer, packings, rel_err
+    backend = sys.argv[1] if len(sys.argv) > 1 else ("fla" if "fla" in BACKENDS else "auto")
+    explain(backend)
+    for v in sys.argv[2:] or ["as_test", "mark_step", "compiled_only"]:
+        run(backend, v)

@@ -169,6 +169,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ["scripts/bench_null_backend.py", "--device", "cuda"],
     ["scripts/probe_autograd_thread.py"],
     ["scripts/profile_sp.py"],
+    ["scripts/probe_reduce_overhead.py"],
 ])
 def test_gpu_scripts_refuse_a_machine_without_cuda_by_name(command):
     """Where no CUDA GPU is visible (this CI machine), each GPU measurement says so in one line, instead of
