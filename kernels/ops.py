@@ -1,15 +1,24 @@
-"""Every backend's math behind one set of ``torch.library`` custom ops (namespace ``gdn_layer``).
+"""Every backend's math behind one set of ``torch.library`` operators (namespace ``gdn_layer``).
 
 Why: ``torch.compile`` sees one opaque op per kernel (with a fake implementation for shapes), so a new
 packed length or sequence count is just new symbolic sizes, never a graph break or a recompile; and
-autograd is registered once, here, for every backend.
+autograd is written once, here, for every backend.
 
 Each op takes the resolved backend's name as a string argument and calls that backend's forward
-callable; its backward is a second custom op that calls the backend's backward callable, or, for a
+callable; its backward is a second op that calls the backend's backward callable, or, for a
 backend that gives none (the torch reference, or a user-registered pure-torch backend), the
 vector-Jacobian product of its forward through ``torch.func.vjp`` (plain autograd does not record
-inside a custom op). Backward ops recompute what they need from the inputs: nothing but the inputs
+inside an op). Backward ops recompute what they need from the inputs: nothing but the inputs
 is saved for backward.
+
+How: each op is defined with ``torch.library.Library.define`` (the schema inferred from the Python
+signature, ``torch.library.infer_schema``), one kernel for every device (``CompositeExplicitAutograd``)
+and a fake implementation (``torch.library.register_fake``); autograd is a ``torch.autograd.Function``
+around the forward op whose backward calls the backward op. That costs the host about half of what
+``torch.library.custom_op`` with ``register_autograd`` costs per forward+backward (its Python wrappers
+check aliasing and fill defaults on every call): on this project's 2-core CPU, 15 against 32 µs per op
+(docs/performance.md, session 12). The public entry points are the ``*_op`` callables below (the
+Functions' ``apply``); called directly, the ``torch.ops.gdn_layer`` operators record no autograd.
 
 Ops (inputs already validated by ``api.py``; optional outputs come back as empty tensors):
 
@@ -37,6 +46,16 @@ from .reference import compute_dtype as math_dtype   # fp64 when any input is fp
 from .registry import backend_by_name
 
 _EMPTY = (0,)
+_LIB = torch.library.Library("gdn_layer", "DEF")
+
+
+def _define(name: str, kernel, fake):
+    """The operator ``gdn_layer::name`` with ``kernel``'s annotated signature as its schema, ``kernel`` for
+    every device and ``fake`` for tracing and the meta device; returns its ``OpOverload``."""
+    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=()))
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"gdn_layer::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.gdn_layer, name).default
 
 
 def _storages(tensors) -> set:
@@ -134,7 +153,6 @@ def _as_packed(b, cu_seqlens, *tensors):
 def _make_delta_rule_ops(kind: str):
     fwd_attr, bwd_attr = f"{kind}_gated_delta_rule", f"{kind}_gated_delta_rule_bwd"
 
-    @torch.library.custom_op(f"gdn_layer::{kind}_gated_delta_rule", mutates_args=())
     def op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
            cu_seqlens: Optional[Tensor], scale: float, output_final_state: bool, use_qk_l2norm: bool,
            backend: str) -> tuple[Tensor, Tensor]:
@@ -147,9 +165,8 @@ def _make_delta_rule_ops(kind: str):
         final = final.to(dt) if final is not None else q.new_empty(_EMPTY, dtype=dt)
         return _own(o.to(v.dtype), q, k, v, g, beta, initial_state), _own(final, q, k, v, g, beta, initial_state)
 
-    op.register_fake(_delta_rule_fake)
+    fwd_op = _define(f"{kind}_gated_delta_rule", op, _delta_rule_fake)
 
-    @torch.library.custom_op(f"gdn_layer::{kind}_gated_delta_rule_bwd", mutates_args=())
     def bwd(do: Tensor, dfinal: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
             initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float, output_final_state: bool,
             use_qk_l2norm: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -174,27 +191,33 @@ def _make_delta_rule_ops(kind: str):
         dh0 = _empty_like_none(dh0 if initial_state is not None else None, q)
         return _distinct((*grads, dh0), do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens)
 
-    @bwd.register_fake
-    def _(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, backend):
+    def bwd_fake(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm,
+                 backend):
         dh0 = q.new_empty(_EMPTY) if initial_state is None else initial_state.new_empty(initial_state.shape)
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
                 beta.new_empty(beta.shape), dh0)
 
-    def setup_context(ctx, inputs, output):
-        q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, backend = inputs
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
-        ctx.args = (scale, output_final_state, use_qk_l2norm, backend)
+    bwd_op = _define(f"{kind}_gated_delta_rule_bwd", bwd, bwd_fake)
 
-    def backward(ctx, do, dfinal):
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-        scale, output_final_state, use_qk_l2norm, backend = ctx.args
-        dfinal = dfinal if output_final_state else None
-        dq, dk, dv, dg, dbeta, dh0 = bwd(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens,
-                                         scale, output_final_state, use_qk_l2norm, backend)
-        return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None
+    class DeltaRule(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm,
+                    backend):
+            ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+            ctx.args = (scale, output_final_state, use_qk_l2norm, backend)
+            return fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm,
+                          backend)
 
-    op.register_autograd(backward, setup_context=setup_context)
-    return op
+        @staticmethod
+        def backward(ctx, do, dfinal):
+            q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+            scale, output_final_state, use_qk_l2norm, backend = ctx.args
+            dfinal = dfinal if output_final_state else None
+            dq, dk, dv, dg, dbeta, dh0 = bwd_op(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens,
+                                                scale, output_final_state, use_qk_l2norm, backend)
+            return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None
+
+    return DeltaRule.apply
 
 
 chunk_gated_delta_rule_op = _make_delta_rule_ops("chunk")
@@ -204,8 +227,7 @@ recurrent_gated_delta_rule_op = _make_delta_rule_ops("recurrent")
 # ------------------------------------------------------------------------------------------------
 # causal conv1d
 
-@torch.library.custom_op("gdn_layer::causal_conv1d", mutates_args=())
-def causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
+def _causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
                      cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
                      backend: str) -> tuple[Tensor, Tensor]:
     y, final = backend_by_name(backend).causal_conv1d(
@@ -216,15 +238,13 @@ def causal_conv1d_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_
     return _own(y.to(x.dtype).contiguous(), x, initial_state), _own(final, x, initial_state)
 
 
-@causal_conv1d_op.register_fake
-def _(x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
+def _causal_conv1d_fake(x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
     N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     shape = (N, x.shape[2], weight.shape[1] - 1) if output_final_state else _EMPTY
     return x.new_empty(x.shape), x.new_empty(shape, dtype=math_dtype(x, weight, bias, initial_state))
 
 
-@torch.library.custom_op("gdn_layer::causal_conv1d_bwd", mutates_args=())
-def causal_conv1d_bwd_op(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight: Tensor, bias: Optional[Tensor],
+def _causal_conv1d_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight: Tensor, bias: Optional[Tensor],
                          initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], activation: str,
                          output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = _conv_bwd(backend_by_name(backend), dy, dfinal, x, weight, bias, initial_state, cu_seqlens,
@@ -255,31 +275,32 @@ def _conv_bwd_fake(x, weight, bias, initial_state):
             x.new_empty(_EMPTY) if initial_state is None else initial_state.new_empty(initial_state.shape))
 
 
-@causal_conv1d_bwd_op.register_fake
-def _(dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
-    return _conv_bwd_fake(x, weight, bias, initial_state)
+_conv_fwd_op = _define("causal_conv1d", _causal_conv1d, _causal_conv1d_fake)
+_conv_bwd_op = _define("causal_conv1d_bwd", _causal_conv1d_bwd, lambda dy, dfinal, x, weight, bias, initial_state, *_:
+                       _conv_bwd_fake(x, weight, bias, initial_state))
 
 
-def _conv_setup(ctx, inputs, output):
-    x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend = inputs
-    ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
-    ctx.args = (activation, output_final_state, backend)
+class _CausalConv1d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
+        ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
+        ctx.args = (activation, output_final_state, backend)
+        return _conv_fwd_op(x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend)
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
+        activation, output_final_state, backend = ctx.args
+        dx, dw, db, dh0 = _conv_bwd_op(dy, dfinal if output_final_state else None, x, weight, bias,
+                                       initial_state, cu_seqlens, activation, output_final_state, backend)
+        return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
+                None, None, None, None)
 
 
-def _conv_backward(ctx, dy, dfinal):
-    x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
-    activation, output_final_state, backend = ctx.args
-    dx, dw, db, dh0 = causal_conv1d_bwd_op(dy, dfinal if output_final_state else None, x, weight, bias,
-                                           initial_state, cu_seqlens, activation, output_final_state, backend)
-    return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
-            None, None, None, None)
+causal_conv1d_op = _CausalConv1d.apply
 
 
-causal_conv1d_op.register_autograd(_conv_backward, setup_context=_conv_setup)
-
-
-@torch.library.custom_op("gdn_layer::causal_conv1d_split", mutates_args=())
-def causal_conv1d_split_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
+def _causal_conv1d_split(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
                            cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str,
                            output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     b = backend_by_name(backend)
@@ -305,16 +326,15 @@ def causal_conv1d_split_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], in
     return _distinct([*(y.to(x.dtype) for y in ys), final], x, initial_state)
 
 
-@causal_conv1d_split_op.register_fake
-def _(x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state, backend):
+def _causal_conv1d_split_fake(x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state,
+                              backend):
     N = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     shape = (N, x.shape[2], weight.shape[1] - 1) if output_final_state else _EMPTY
     return (*(x.new_empty(*x.shape[:2], w) for w in split_sizes),
             x.new_empty(shape, dtype=math_dtype(x, weight, bias, initial_state)))
 
 
-@torch.library.custom_op("gdn_layer::causal_conv1d_split_bwd", mutates_args=())
-def causal_conv1d_split_bwd_op(dy0: Tensor, dy1: Tensor, dy2: Tensor, dfinal: Optional[Tensor], x: Tensor,
+def _causal_conv1d_split_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dfinal: Optional[Tensor], x: Tensor,
                                weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
                                cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
                                backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -341,47 +361,48 @@ def _split_inputs(sizes, x, weight, bias, initial_state) -> list:
     return list(zip(x.split(sizes, -1), weight.split(sizes, 0), split(bias, 0), split(initial_state, 1)))
 
 
-@causal_conv1d_split_bwd_op.register_fake
-def _(dy0, dy1, dy2, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state, backend):
-    return _conv_bwd_fake(x, weight, bias, initial_state)
+_conv_split_fwd_op = _define("causal_conv1d_split", _causal_conv1d_split, _causal_conv1d_split_fake)
+_conv_split_bwd_op = _define("causal_conv1d_split_bwd", _causal_conv1d_split_bwd,
+                             lambda dy0, dy1, dy2, dfinal, x, weight, bias, initial_state, *_:
+                             _conv_bwd_fake(x, weight, bias, initial_state))
 
 
-def _conv_split_setup(ctx, inputs, output):
-    x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state, backend = inputs
-    ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
-    ctx.args = (activation, output_final_state, backend)      # (the parts' sizes come back as dy's widths)
+class _CausalConv1dSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state,
+                backend):
+        ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens)
+        ctx.args = (activation, output_final_state, backend)      # (the parts' sizes come back as dy's widths)
+        return _conv_split_fwd_op(x, weight, bias, initial_state, cu_seqlens, split_sizes, activation,
+                                  output_final_state, backend)
+
+    @staticmethod
+    def backward(ctx, dy0, dy1, dy2, dfinal):
+        x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
+        activation, output_final_state, backend = ctx.args
+        # (an output that feeds nothing comes as zeros: the Function materialises None gradients)
+        dx, dw, db, dh0 = _conv_split_bwd_op(dy0, dy1, dy2, dfinal if output_final_state else None, x, weight,
+                                             bias, initial_state, cu_seqlens, activation, output_final_state, backend)
+        return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
+                None, None, None, None, None)
 
 
-def _conv_split_backward(ctx, dy0, dy1, dy2, dfinal):
-    x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
-    activation, output_final_state, backend = ctx.args
-    # (an output that feeds nothing comes as zeros: custom ops' autograd materialises None gradients)
-    dx, dw, db, dh0 = causal_conv1d_split_bwd_op(dy0, dy1, dy2, dfinal if output_final_state else None, x, weight,
-                                                 bias, initial_state, cu_seqlens, activation, output_final_state,
-                                                 backend)
-    return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
-            None, None, None, None, None)
-
-
-causal_conv1d_split_op.register_autograd(_conv_split_backward, setup_context=_conv_split_setup)
+causal_conv1d_split_op = _CausalConv1dSplit.apply
 
 
 # ------------------------------------------------------------------------------------------------
 # gate
 
-@torch.library.custom_op("gdn_layer::gdn_gate", mutates_args=())
-def gdn_gate_op(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+def _gdn_gate(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor, backend: str) -> tuple[Tensor, Tensor]:
     g, beta = backend_by_name(backend).gdn_gate(a, b, A_log, dt_bias)
     return _own(g.to(math_dtype(a, A_log, dt_bias)), a), _own(beta.to(b.dtype), b)
 
 
-@gdn_gate_op.register_fake
-def _(a, b, A_log, dt_bias, backend):
+def _gdn_gate_fake(a, b, A_log, dt_bias, backend):
     return a.new_empty(a.shape, dtype=math_dtype(a, A_log, dt_bias)), b.new_empty(b.shape)
 
 
-@torch.library.custom_op("gdn_layer::gdn_gate_bwd", mutates_args=())
-def gdn_gate_bwd_op(dg: Tensor, dbeta: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+def _gdn_gate_bwd(dg: Tensor, dbeta: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
                     backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = backend_by_name(backend)
     if impl.gdn_gate_bwd is not None:
@@ -391,38 +412,34 @@ def gdn_gate_bwd_op(dg: Tensor, dbeta: Tensor, a: Tensor, b: Tensor, A_log: Tens
     return _distinct([d.to(x.dtype) for d, x in zip(grads, (a, b, A_log, dt_bias))], dg, dbeta, a, b, A_log, dt_bias)
 
 
-@gdn_gate_bwd_op.register_fake
-def _(dg, dbeta, a, b, A_log, dt_bias, backend):
-    return tuple(x.new_empty(x.shape) for x in (a, b, A_log, dt_bias))
+_gate_fwd_op = _define("gdn_gate", _gdn_gate, _gdn_gate_fake)
+_gate_bwd_op = _define("gdn_gate_bwd", _gdn_gate_bwd, lambda dg, dbeta, a, b, A_log, dt_bias, backend:
+                       tuple(x.new_empty(x.shape) for x in (a, b, A_log, dt_bias)))
 
 
-def _gate_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:4])
-    ctx.backend = inputs[4]
+class _GdnGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, A_log, dt_bias, backend):
+        ctx.save_for_backward(a, b, A_log, dt_bias)
+        ctx.backend = backend
+        return _gate_fwd_op(a, b, A_log, dt_bias, backend)
+
+    @staticmethod
+    def backward(ctx, dg, dbeta):
+        return (*_gate_bwd_op(dg, dbeta, *ctx.saved_tensors, ctx.backend), None)
 
 
-def _gate_backward(ctx, dg, dbeta):
-    return (*gdn_gate_bwd_op(dg, dbeta, *ctx.saved_tensors, ctx.backend), None)
-
-
-gdn_gate_op.register_autograd(_gate_backward, setup_context=_gate_setup)
+gdn_gate_op = _GdnGate.apply
 
 
 # ------------------------------------------------------------------------------------------------
 # gated RMSNorm
 
-@torch.library.custom_op("gdn_layer::gated_rms_norm", mutates_args=())
-def gated_rms_norm_op(x: Tensor, z: Tensor, weight: Tensor, eps: float, backend: str) -> Tensor:
+def _gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, backend: str) -> Tensor:
     return _own(backend_by_name(backend).gated_rms_norm(x, z, weight, eps).to(x.dtype).contiguous(), x, z)
 
 
-@gated_rms_norm_op.register_fake
-def _(x, z, weight, eps, backend):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("gdn_layer::gated_rms_norm_bwd", mutates_args=())
-def gated_rms_norm_bwd_op(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, eps: float,
+def _gated_rms_norm_bwd(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, eps: float,
                           backend: str) -> tuple[Tensor, Tensor, Tensor]:
     impl = backend_by_name(backend)
     if impl.gated_rms_norm_bwd is not None:
@@ -432,18 +449,25 @@ def gated_rms_norm_bwd_op(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, eps:
     return _distinct([d.to(t.dtype) for d, t in zip(grads, (x, z, weight))], dy, x, z, weight)
 
 
-@gated_rms_norm_bwd_op.register_fake
-def _(dy, x, z, weight, eps, backend):
-    return x.new_empty(x.shape), z.new_empty(z.shape), weight.new_empty(weight.shape)
+def _gated_rms_norm_fake(x, z, weight, eps, backend):
+    return x.new_empty(x.shape)
 
 
-def _norm_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3])
-    ctx.args = inputs[3:]
+_norm_fwd_op = _define("gated_rms_norm", _gated_rms_norm, _gated_rms_norm_fake)
+_norm_bwd_op = _define("gated_rms_norm_bwd", _gated_rms_norm_bwd, lambda dy, x, z, weight, eps, backend:
+                       (x.new_empty(x.shape), z.new_empty(z.shape), weight.new_empty(weight.shape)))
 
 
-def _norm_backward(ctx, dy):
-    return (*gated_rms_norm_bwd_op(dy, *ctx.saved_tensors, *ctx.args), None, None)
+class _GatedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, z, weight, eps, backend):
+        ctx.save_for_backward(x, z, weight)
+        ctx.args = (eps, backend)
+        return _norm_fwd_op(x, z, weight, eps, backend)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (*_norm_bwd_op(dy, *ctx.saved_tensors, *ctx.args), None, None)
 
 
-gated_rms_norm_op.register_autograd(_norm_backward, setup_context=_norm_setup)
+gated_rms_norm_op = _GatedRMSNorm.apply
