@@ -83,3 +83,29 @@ def test_one_layer_call_is_its_custom_ops_and_counted_by_the_benchmark(alloc_onl
     assert sorted(n for n in names if n.startswith("gdn_layer::")) == sorted(conv_ops(alloc_only_backend) + [
         f"gdn_layer::{op}{suffix}" for op in ("gdn_gate", "chunk_gated_delta_rule", "gated_rms_norm")
         for suffix in ("", "_bwd")])
+
+
+def test_ops_skip_the_custom_op_wrappers(alloc_only_backend):
+    """The kernels are plain ``torch.library`` operators with a ``torch.autograd.Function`` each
+    (``kernels/ops.py``): no Python of ``torch.library.custom_op``'s per-call wrappers (defaults, aliasing
+    checks, generated autograd) runs in a training step; it cost the layer a third of its own host time.
+    The operators themselves still run (by name, in the dispatcher)."""
+    layer = GatedDeltaNet(64, 2, 4, 16, 16, backend=alloc_only_backend)
+    x, cu = torch.randn(1, 24, 64, requires_grad=True), torch.tensor([0, 10, 24])
+    wrapper_files = ("custom_ops.py", "autograd.py", "infer_schema.py")
+    seen = []
+
+    def spy(frame, event, arg):
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if event == "call" and "/torch/_library/" in path and path.endswith(wrapper_files):
+            seen.append(f"{path.split('/torch/')[1]}:{frame.f_code.co_name}")
+    from bench_null_backend import OpLog
+    log = OpLog(skip_empty=True)
+    with skip_value_checks(), log:
+        sys.setprofile(spy)
+        try:
+            layer(x, cu_seqlens=cu).sum().backward()
+        finally:
+            sys.setprofile(None)
+    assert not seen, sorted(set(seen))
+    assert "gdn_layer::gdn_gate" in log.names and "gdn_layer::gdn_gate_bwd" in log.names
