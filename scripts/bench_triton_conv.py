@@ -130,6 +130,8 @@ def bench(quick, sweep=False):
     configs = [(conv.BLOCK_T, conv._block_c(C), conv.NUM_WARPS)] if quick else [
         (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 64, 8), (128, 32, 4), (128, 64, 8), (32, 128, 4)]
     rows = []
+    block_c, dz_block_c = conv._block_c, conv._dz_block_c
+    conv._dz_block_c = (lambda C, c=dz_block_c(C): c)     # (the dz pass keeps its tile while these change)
     for bt, bc, nw in configs:
         conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = bt, (lambda C, bc=bc: bc), nw
         f = do_bench(lambda: conv.causal_conv1d_fwd(x, w, b, cu, init, "silu", True), return_mode="median")
@@ -138,7 +140,8 @@ def bench(quick, sweep=False):
     print("BLOCK_T BLOCK_C warps   fwd ms  (GB/s)   bwd ms  (GB/s)")
     for bt, bc, nw, f, bw_ms in sorted(rows, key=lambda r: r[3] + r[4]):
         print(f"{bt:7d} {bc:7d} {nw:5d} {f:8.3f} {fwd_bytes / f / 1e6:7.0f} {bw_ms:8.3f} {bwd_bytes / bw_ms / 1e6:7.0f}")
-    conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = configs[0][0], (lambda C, bc=configs[0][1]: bc), configs[0][2]
+    conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = configs[0][0], block_c, configs[0][2]
+    conv._dz_block_c = dz_block_c
     if hasattr(conv, "DZ_PROGRAMS") and not sweep:  # the dz pass's program count (dweight reduced once per program)
         default = conv.DZ_PROGRAMS
         for n in (1024, 2048, 4096, 8192, 16384, 65535):
@@ -154,18 +157,24 @@ def bench(quick, sweep=False):
 
 
 def bench_dz_tiles(x, w, b, cu, init, dy):
-    """Backward time for dz-pass tiles (DZ_BLOCK_T x channel block, warps); the dx pass keeps its tile."""
+    """Backward time for dz-pass tiles (DZ_BLOCK_T x channel block, warps; the dx pass keeps its tile), with
+    bias and initial states, and as the layer trains (neither: another variant, fewer registers)."""
     default = conv.DZ_BLOCK_T, conv._dz_block_c, conv.DZ_NUM_WARPS
     C = x.shape[-1]
-    print(f"dz pass tile (default {conv.DZ_BLOCK_T} x {conv._dz_block_c(C)}, {conv.DZ_NUM_WARPS} warps): bwd ms")
+    print(f"dz pass tile (default {conv.DZ_BLOCK_T} x {conv._dz_block_c(C)}, {conv.DZ_NUM_WARPS} warps): bwd ms "
+          f"with bias and initial states / without either (the layer's conv in training)")
     for bt, bc, nw in ((32, 64, 4), (16, 64, 4), (16, 64, 2), (8, 64, 2), (16, 32, 2), (32, 32, 4),
                        (16, 128, 4), (8, 128, 4), (32, 128, 8), (32, 64, 8), (64, 64, 8)):
         conv.DZ_BLOCK_T, conv._dz_block_c, conv.DZ_NUM_WARPS = bt, (lambda C, bc=bc: bc), nw
-        try:
-            ms = do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu"), return_mode="median")
-            print(f"dz tile {bt:3d} x {bc:3d}, {nw} warps: bwd {ms:.3f} ms")
-        except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
-            print(f"dz tile {bt:3d} x {bc:3d}, {nw} warps: failed ({type(e).__name__})")
+        times = []
+        for bias, state in ((b, init), (None, None)):
+            def run(bias=bias, state=state):
+                return conv.causal_conv1d_bwd(dy, None, x, w, bias, cu, state, "silu")
+            try:
+                times.append(f"{do_bench(run, return_mode='median'):.3f}")
+            except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
+                times.append(f"failed ({type(e).__name__})")
+        print(f"dz tile {bt:3d} x {bc:3d}, {nw} warps: bwd {times[0]} / {times[1]} ms")
     conv.DZ_BLOCK_T, conv._dz_block_c, conv.DZ_NUM_WARPS = default
 
 

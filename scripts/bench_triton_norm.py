@@ -50,7 +50,9 @@ def main():
         norm._TILE, norm._NUM_WARPS, norm._TILE_BWD, norm._NUM_WARPS_BWD = tile, nw, tile, nw
         f = do_bench(lambda: norm.gated_rms_norm_fwd(x, z, w, 1e-6), return_mode="median")
         b = do_bench(lambda: norm.gated_rms_norm_bwd(dy, x, z, w, rstd, 1e-6), return_mode="median")
-        print(f"tile {tile:5d}, {nw} warps: fwd {f:.3f} ms, bwd {b:.3f} ms")
+        # rstd=None: the backward recomputes rstd, as the layer's CUDA backends call it (kernels/triton_ops.py)
+        r = do_bench(lambda: norm.gated_rms_norm_bwd(dy, x, z, w, None, 1e-6), return_mode="median")
+        print(f"tile {tile:5d}, {nw} warps: fwd {f:.3f} ms, bwd {b:.3f} ms (rstd saved), {r:.3f} ms (recomputed)")
     norm._TILE, norm._NUM_WARPS, norm._TILE_BWD, norm._NUM_WARPS_BWD = knobs
     # z as a column slice of a wider projection output (transformers' fused in_proj_qkvz layout): its rows
     # are not one stride apart, so the kernels get a copy of it (norm._rows)

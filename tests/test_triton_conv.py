@@ -114,7 +114,13 @@ def test_dz_pass_tile_differs_from_the_dx_pass_tile(monkeypatch, dz_tile, dz_pro
     monkeypatch.setattr(conv, "_dz_block_c", lambda C: bc)
     monkeypatch.setattr(conv, "DZ_NUM_WARPS", nw)
     monkeypatch.setattr(conv, "DZ_PROGRAMS", dz_programs)
+    spies = {k: LaunchSpy(getattr(conv, k)) for k in ("_conv_dz_kernel", "_conv_dx_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(conv, name, spy)
     assert_matches_reference(make_inputs(1, 150, 40, 4, cu=[0, 3, 40, 41, 150], seed=bt + bc), "silu")
+    dz, dx = spies["_conv_dz_kernel"].kwargs[0], spies["_conv_dx_kernel"].kwargs[0]
+    assert (dz["BLOCK_T"], dz["BLOCK_C"], dz["num_warps"]) == (bt, bc, nw)         # the dz pass: its own tile
+    assert (dx["BLOCK_T"], dx["BLOCK_C"], dx["num_warps"]) == (conv.BLOCK_T, conv._block_c(40), conv.NUM_WARPS)
 
 
 def test_wide_channels_span_several_channel_blocks():

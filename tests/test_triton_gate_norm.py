@@ -244,8 +244,14 @@ def test_norm_many_tiles_per_program_sum_every_row_deterministically(monkeypatch
     for name, value in zip(("_TILE", "_TILE_BWD", "_NUM_WARPS", "_NUM_WARPS_BWD"), tiles):
         monkeypatch.setattr(norm, name, value)
     monkeypatch.setattr(norm, "_MAX_PROGRAMS", 3)   # 33 tiles over 3 programs: each loops
+    spies = {k: LaunchSpy(getattr(norm, k)) for k in ("_norm_fwd_kernel", "_norm_bwd_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(norm, name, spy)
     buf, x, z, w = norm_inputs((65,), 24)
     check_norm(x, z, w, (buf, w))
+    fwd, bwd = spies["_norm_fwd_kernel"].kwargs[0], spies["_norm_bwd_kernel"].kwargs[0]
+    assert (fwd["BLOCK_M"], fwd["num_warps"]) == (tiles[0] // 32, tiles[2] or 4)   # each pass: its own knobs
+    assert (bwd["BLOCK_M"], bwd["num_warps"]) == (tiles[1] // 32, tiles[3] or 4)
     x, z, w = x.detach(), z.detach(), w.detach()
     dy = torch.randn(65, 24, device=DEVICE)
     y, rstd = norm.gated_rms_norm_fwd(x, z, w, 1e-6)

@@ -18,11 +18,12 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
   of tokens x channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the
   caches).
 - ``_conv_state_fwd_kernel``, over the N sequences x channel blocks: gathers ``final_state[n]``.
-- ``_conv_dz_kernel``, same tiles as the forward: the pre-activation's gradient dz (z recomputed from
-  x; the forward saves nothing but its inputs) into a ``[B, T, C]`` scratch buffer, plus each
+- ``_conv_dz_kernel``, over its own tiles (``DZ_BLOCK_T`` x ``_dz_block_c(C)``): the pre-activation's
+  gradient dz (z recomputed from x; the forward saves nothing but its inputs) into a ``[B, T, C]``
+  scratch buffer, plus each
   program's partial sums of dweight and dbias over its tiles (summed over the programs in torch
   afterwards: deterministic, no atomics).
-- ``_conv_dx_kernel``, same tiles: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
+- ``_conv_dx_kernel``, the forward's tiles: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
   instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
   spilled registers; the scratch round trip costs less.
 - ``_conv_state_bwd_kernel``, over the N sequences x channel blocks: ``d initial_state[n]``, with the
@@ -49,10 +50,13 @@ NUM_WARPS = 4
 # programs of the backward's dz pass over all channel blocks (it takes cdiv(tiles, programs) tiles each)
 DZ_PROGRAMS = 8192
 # the dz pass's own tile and warps (it holds five [DZ_BLOCK_T, block] accumulators); its channel block is
-# _dz_block_c(C). H200, scripts/bench_triton_conv.py --sweep (C = 8192, bf16, 32k tokens): backward
-# 3.30 ms with 16 x 64 tiles on 2 warps, 4.02 ms with the forward's 32 x 64 on 4 warps (11 tiles tried).
-DZ_BLOCK_T = 16
-DZ_NUM_WARPS = 2
+# _dz_block_c(C). H200, scripts/bench_triton_conv.py --sweep (C = 8192, bf16, 32k tokens, with bias and
+# initial states): backward 3.30 ms with 16 x 64 tiles on 2 warps, 4.02 ms with 32 x 64 on 4. That variant
+# takes 255 registers and spills on both tiles (sm_90, Triton 3.7.1); the layer's conv has neither bias nor
+# (in training) initial states: 184-190 registers, no spill on either tile. So the sweep may not carry over
+# and the forward's tile stays until the bench has timed the layer's variant (it now does).
+DZ_BLOCK_T = 32
+DZ_NUM_WARPS = 4
 
 
 def _block_c(C: int) -> int:
@@ -234,7 +238,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr):
-    """dz (the pre-activation's gradient) for the forward's tiles (p, p + P, ...), and the program's
+    """dz (the pre-activation's gradient) for token tiles p, p + P, ... (of NT), and the program's
     partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts). dy comes as the
     parts ``dy, dy1, dy2`` split at columns ``e0, e1`` (``_load_parts``).
 
