@@ -411,6 +411,18 @@ def _strides3(t):
     return (0, 0, 0) if t is None else t.stride()
 
 
+# The kernels' column offsets (c * channel stride) are 32-bit: an x or dy whose channel stride puts its last
+# channel 2**31 elements or more from its first (channel-major, T * C past 2**31) comes as a copy instead.
+_C_OFFSET_LIMIT = 2 ** 31
+
+
+def _narrow_columns(t):
+    """``t``, or ``t.contiguous()`` where ``(C - 1) * |stride(-1)|`` reaches ``_C_OFFSET_LIMIT``."""
+    if t.shape[-1] > 1 and (t.shape[-1] - 1) * abs(t.stride(-1)) >= _C_OFFSET_LIMIT:
+        return t.contiguous()
+    return t
+
+
 def _as_parts(whole_or_parts, C):
     """``(args, PARTS)``: the ``_load_parts`` / ``_store_parts`` arguments ``(p0, p1, p2, e0, e1, *strides of
     the three)`` for a ``[B, T, C]`` tensor given whole (``PARTS`` 1) or as a list of 1-3 ``[B, T, w]`` parts
@@ -438,6 +450,7 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     ``[B, T, C]`` contiguous in x's dtype, or with ``split_sizes`` a list of ``[B, T, size]``.
     """
     B, T, C = x.shape
+    x = _narrow_columns(x)
     W = weight.shape[1]
     N = B if cu is None else cu.shape[0] - 1
     dt = _compute_dtype(x, weight, bias, initial_state)
@@ -482,6 +495,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     of the dz pass, reduced in torch (deterministic).
     """
     B, T, C = x.shape
+    x = _narrow_columns(x)
+    dy = _narrow_columns(dy) if isinstance(dy, torch.Tensor) else [_narrow_columns(d) for d in dy]
     W = weight.shape[1]
     N = B if cu is None else cu.shape[0] - 1
     dt = _compute_dtype(x, weight, bias, initial_state)
