@@ -228,8 +228,8 @@ recurrent_gated_delta_rule_op = _make_delta_rule_ops("recurrent")
 # causal conv1d
 
 def _causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
-                     cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
-                     backend: str) -> tuple[Tensor, Tensor]:
+                   cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
+                   backend: str) -> tuple[Tensor, Tensor]:
     y, final = backend_by_name(backend).causal_conv1d(
         x, weight, bias=bias, activation=activation, cu=cu_seqlens, initial_state=initial_state,
         output_final_state=output_final_state)
@@ -245,8 +245,8 @@ def _causal_conv1d_fake(x, weight, bias, initial_state, cu_seqlens, activation, 
 
 
 def _causal_conv1d_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                         initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], activation: str,
-                         output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], activation: str,
+                       output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = _conv_bwd(backend_by_name(backend), dy, dfinal, x, weight, bias, initial_state, cu_seqlens,
                       activation, output_final_state)
     return _distinct(grads, dy, dfinal, x, weight, bias, initial_state, cu_seqlens)
@@ -301,8 +301,8 @@ causal_conv1d_op = _CausalConv1d.apply
 
 
 def _causal_conv1d_split(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
-                           cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str,
-                           output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str,
+                         output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     b = backend_by_name(backend)
     sizes = list(split_sizes)
     kwargs = dict(activation=activation, cu=cu_seqlens, output_final_state=output_final_state)
@@ -335,9 +335,9 @@ def _causal_conv1d_split_fake(x, weight, bias, initial_state, cu_seqlens, split_
 
 
 def _causal_conv1d_split_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dfinal: Optional[Tensor], x: Tensor,
-                               weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
-                               cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
-                               backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
+                             cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
+                             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     b = backend_by_name(backend)
     if b.conv_splits and b.causal_conv1d_bwd is not None:
         grads = _conv_bwd(b, [dy0, dy1, dy2], dfinal, x, weight, bias, initial_state, cu_seqlens, activation,
@@ -403,7 +403,7 @@ def _gdn_gate_fake(a, b, A_log, dt_bias, backend):
 
 
 def _gdn_gate_bwd(dg: Tensor, dbeta: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
-                    backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = backend_by_name(backend)
     if impl.gdn_gate_bwd is not None:
         grads = impl.gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias)
@@ -440,7 +440,7 @@ def _gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, backend: s
 
 
 def _gated_rms_norm_bwd(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, eps: float,
-                          backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                        backend: str) -> tuple[Tensor, Tensor, Tensor]:
     impl = backend_by_name(backend)
     if impl.gated_rms_norm_bwd is not None:
         grads = impl.gated_rms_norm_bwd(dy, x, z, weight, eps)
