@@ -35,25 +35,15 @@ def run(be, variant):
     dynamo.reset()
     layer = make_layer(be, 64)
     compiled = torch.compile(layer, mode="reduce-overhead")
-    packs = packings(5, seed=3)
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    dy = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
-    for i, p in enumerate(packs + packs[:2]):
-        x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
-        outs = []
-        fs = (compiled,) if variant == "compiled_only" else (compiled, layer)
-        for f in fs:
-            xi = x.clone().requires_grad_(True)
-            if f is compiled and variant == "mark_step":
-                torch.compiler.cudagraph_mark_step_begin()
-            try:
-                y = f(xi, cu_seqlens=cu_of(p))
-                y.backward(dy)
-            except Exception as e:
-                which = "compiled" if f is compiled else "eager"
-                print(f"[{variant}] iteration {i} {which}: {type(e).__name__}: {str(e)[:300]}")
-                return
-            outs.append((y.detach().clone(), xi.grad.clone()))
+    steps = compiled_steps(layer, compiled, eager=variant != "compiled_only", mark_step=variant == "mark_step")
+    while True:
+        try:
+            i, outs = next(steps)
+        except StopIteration:
+            break
+        except Exception as e:  # noqa: BLE001 - the failure is what this probe reports
+            print(f"[{variant}] failed after the last iteration printed: {type(e).__name__}: {str(e)[:300]}")
+            return
         if len(outs) == 2:
             (y_c, g_c), (y_e, g_e) = outs
             print(f"[{variant}] iteration {i}: rel err y {rel_err(y_c, y_e):.2e} dx {rel_err(g_c, g_e):.2e}")
@@ -67,7 +57,7 @@ if __name__ == "__main__":
     from requires import require_cuda
     require_cuda("probe_reduce_overhead.py")
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from test_cuda_graphs import BACKENDS, T, cu_of, make_layer, packings, rel_err
+    from test_cuda_graphs import BACKENDS, T, compiled_steps, cu_of, make_layer, packings, rel_err
     backend = sys.argv[1] if len(sys.argv) > 1 else ("fla" if "fla" in BACKENDS else "auto")
     explain(backend)
     for v in sys.argv[2:] or ["as_test", "mark_step", "compiled_only"]:

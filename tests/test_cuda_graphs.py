@@ -102,23 +102,32 @@ def test_captured_forward_backward_replays_other_packings(backend, D):
             assert rel_err(a, b) <= tol, (i, name, rel_err(a, b))
 
 
-def test_reduce_overhead_compile_replays_other_packings():
-    """``torch.compile(mode="reduce-overhead")``: its CUDA-graph trees copy each call's inputs (a new padded
-    cu_seqlens each call) into the recorded graph's; outputs and input gradients follow the packing."""
-    layer = make_layer("fla" if "fla" in BACKENDS else "auto", 64)
-    compiled = torch.compile(layer, mode="reduce-overhead")
+def compiled_steps(layer, compiled, eager=True, mark_step=False):
+    """For 7 packings (5, then the first two again): forward+backward of ``compiled`` (after
+    ``torch.compiler.cudagraph_mark_step_begin()`` with ``mark_step``) and, with ``eager``, of ``layer``
+    on the same input; yields ``(i, [(y, x.grad) of each])``. Also run by scripts/probe_reduce_overhead.py."""
     packs = packings(5, seed=3)
     gen = torch.Generator(device="cuda").manual_seed(2)
     dy = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
     for i, p in enumerate(packs + packs[:2]):
         x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
         outs = []
-        for f in (compiled, layer):
+        for f in (compiled, layer) if eager else (compiled,):
             xi = x.clone().requires_grad_(True)
+            if f is compiled and mark_step:
+                torch.compiler.cudagraph_mark_step_begin()
             y = f(xi, cu_seqlens=cu_of(p))
             y.backward(dy)
             outs.append((y.detach().clone(), xi.grad.clone()))
-        (y_c, g_c), (y_e, g_e) = outs
+        yield i, outs
+
+
+def test_reduce_overhead_compile_replays_other_packings():
+    """``torch.compile(mode="reduce-overhead")``: its CUDA-graph trees copy each call's inputs (a new padded
+    cu_seqlens each call) into the recorded graph's; outputs and input gradients follow the packing."""
+    layer = make_layer("fla" if "fla" in BACKENDS else "auto", 64)
+    compiled = torch.compile(layer, mode="reduce-overhead")
+    for i, ((y_c, g_c), (y_e, g_e)) in compiled_steps(layer, compiled):
         assert rel_err(y_c, y_e) <= 1e-2 and rel_err(g_c, g_e) <= 1e-2, (i, rel_err(y_c, y_e), rel_err(g_c, g_e))
 
 
