@@ -14,7 +14,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, StateDictOptions
 from gdn_layer import GatedDeltaNet
 from gdn_layer.parallel import reduce_sp_grads, shard_sequence
+from requires import help_if_asked, require_torchrun
 
+help_if_asked(__doc__)
+require_torchrun("fsdp_sp_compile.py",
+                 "OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node=4 examples/fsdp_sp_compile.py")
 dist.init_process_group("gloo")
 CKPT = os.path.join(tempfile.gettempdir(), "gdn_fsdp_sp_compile.pt")
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))

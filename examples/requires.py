@@ -4,6 +4,8 @@ ImportError (fla-core off the path)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import torch
 
@@ -17,3 +19,18 @@ def require_cuda(script: str, fla: bool = False) -> None:
         raise SystemExit(f"{script} compares with fla-core, which is not importable: scripts/setup.sh installs "
                          "it in .venv/fla-site, off the default path; add PYTHONPATH=.venv/fla-site "
                          "(scripts/gpu_session.sh does).")
+
+
+def help_if_asked(doc: str) -> None:
+    """For scripts without argparse: prints ``doc`` and exits (status 0) when -h or --help is given, so the
+    usage shows on any machine (before a check that refuses this one)."""
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(doc.strip())
+        raise SystemExit(0)
+
+
+def require_torchrun(script: str, command: str) -> None:
+    """SystemExit (status 1, message on stderr) unless launched by torchrun (``RANK`` set): these scripts
+    run one process per rank."""
+    if "RANK" not in os.environ:
+        raise SystemExit(f"{script} runs one process per rank: launch it with torchrun, e.g. {command}")

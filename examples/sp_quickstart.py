@@ -40,6 +40,9 @@ def demo(group) -> float:
 
 
 if __name__ == "__main__":
+    from requires import help_if_asked, require_torchrun
+    help_if_asked(__doc__)
+    require_torchrun("sp_quickstart.py", ".venv/bin/torchrun --nproc_per_node=2 examples/sp_quickstart.py")
     dist.init_process_group("gloo")
     err = demo(dist.group.WORLD)
     if dist.get_rank() == 0:

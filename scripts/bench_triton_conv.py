@@ -223,7 +223,8 @@ def compare_fla(x, w, b, cu, init, dy):
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-    from requires import require_cuda
+    from requires import help_if_asked, require_cuda
+    help_if_asked(__doc__)
     require_cuda("bench_triton_conv.py")
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     if "--sweep" not in sys.argv:

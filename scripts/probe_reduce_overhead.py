@@ -54,7 +54,8 @@ def run(be, variant):
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from requires import require_cuda
+    from requires import help_if_asked, require_cuda
+    help_if_asked(__doc__)
     require_cuda("probe_reduce_overhead.py")
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_cuda_graphs import BACKENDS, T, compiled_steps, cu_of, make_layer, packings, rel_err
