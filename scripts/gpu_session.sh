@@ -6,6 +6,15 @@
 # checkout's top-level kernels/ and parallel/ folders never shadow anything.
 set -u
 R=$(cd "$(dirname "$0")/.." && pwd)
+case "${1:-}" in -h|--help|"") sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
+# refuse a machine without a CUDA GPU or without the GPU-side packages, before touching /tmp
+if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
+  echo "gpu_session.sh runs the project's GPU steps: it needs a CUDA GPU (none is visible)." >&2; exit 1
+fi
+if [ ! -f "$R/.device/site.tar.xz" ]; then
+  echo "gpu_session.sh needs the GPU-side packages in .device/site.tar.xz: bash ../shared/device/make_gpu_site.sh" \
+       "(on the development machine; carry .device to the GPU machine)." >&2; exit 1
+fi
 # Logs go to $LOGS (default /tmp/gpu-logs); the device tool returns at most 8 files, so collect them
 # with `tar czf $OUT/logs.tgz -C /tmp gpu-logs` at the end of the call. Several invocations (one per GPU,
 # run in parallel with CUDA_VISIBLE_DEVICES) share the unpacked site and the compile caches.

@@ -181,3 +181,16 @@ def test_gpu_scripts_refuse_a_machine_without_cuda_by_name(command):
     p = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr[-2000:]
     assert "needs a CUDA GPU (none is visible)" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_gpu_session_refuses_a_machine_without_cuda_by_name():
+    """scripts/gpu_session.sh (where the refusals above send the user) says so in one line and exits 1, before
+    it unpacks anything, instead of running every step into a missing nvidia-smi / torch (exit 0)."""
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0:
+        pytest.skip("a CUDA GPU is visible: the session runs there")
+    p = subprocess.run(["bash", "scripts/gpu_session.sh", "vs_fla_auto"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "needs a CUDA GPU (none is visible)" in p.stderr, (p.returncode, p.stderr[-2000:])
+    assert p.stdout == "", p.stdout[-2000:]
