@@ -17,8 +17,12 @@ and a fake implementation (``torch.library.register_fake``); autograd is a ``tor
 around the forward op whose backward calls the backward op. That costs the host about half of what
 ``torch.library.custom_op`` with ``register_autograd`` costs per forward+backward (its Python wrappers
 check aliasing and fill defaults on every call): on this project's 2-core CPU, 15 against 32 µs per op
-(docs/performance.md, session 12). The public entry points are the ``*_op`` callables below (the
-Functions' ``apply``); called directly, the ``torch.ops.gdn_layer`` operators record no autograd.
+(docs/performance.md, session 12). The public entry points are the ``*_op`` callables below: the
+Function where autograd records, the operator itself under ``no_grad`` / ``inference_mode``. The
+``torch.ops.gdn_layer`` operators have no autograd formula of their own: called directly on tensors that
+require grad, what autograd sees depends on the backend's kernel (nothing, for the Triton kernels: torch
+warns at backward and the inputs get no gradient). Call ``gdn_layer.kernels``' functions instead.
+The gradients are first-order only: differentiating them (``create_graph=True``, then backward) raises.
 
 Ops (inputs already validated by ``api.py``; optional outputs come back as empty tensors):
 
@@ -46,6 +50,11 @@ from .reference import compute_dtype as math_dtype   # fp64 when any input is fp
 from .registry import backend_by_name
 
 _EMPTY = (0,)
+if isinstance(globals().get("_LIB"), torch.library.Library):
+    # importlib.reload of this module (IPython's autoreload): the previous run's definitions, kernels and
+    # fakes go first, as torch.library.custom_op does for a redefined op; a second copy of the module
+    # (sys.modules purged while the first is alive) cannot define the namespace again and raises
+    _LIB._destroy()
 _LIB = torch.library.Library("gdn_layer", "DEF")
 
 
@@ -56,6 +65,50 @@ def _define(name: str, kernel, fake):
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"gdn_layer::{name}", fake, lib=_LIB)
     return getattr(torch.ops.gdn_layer, name).default
+
+
+def _entry(function, op):
+    """The public callable of an op: ``function.apply`` (autograd), or the operator ``op`` itself where
+    autograd records nothing: grad disabled, or inference mode (where torch's own ops record nothing even
+    under ``enable_grad``, and a Function could not save inference tensors). Always the Function while
+    ``torch.compile`` traces (it traces grad mode itself)."""
+    def call(*args):
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
+            return function.apply(*args)
+        return op(*args)
+    return call
+
+
+class _NotTwiceDifferentiable(torch.autograd.Function):
+    """Identity on an op's gradients computed under ``create_graph=True``; differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, name, count, *tensors):
+        ctx.name = name
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"gdn_layer::{ctx.name} is not twice differentiable: its gradient was taken with "
+                           "create_graph=True and is now being differentiated (double backward is not supported)")
+
+
+def _first_order(name: str, grads: tuple, inputs) -> tuple:
+    """``grads``, the backward operator's results; under ``create_graph=True`` (grad enabled in the
+    backward) tied to ``inputs`` (the upstream gradients and saved tensors) through
+    ``_NotTwiceDifferentiable``, so that a double backward reaching them raises instead of returning a
+    partial or zero second derivative (the backward operators record no autograd)."""
+    if not torch.is_grad_enabled():
+        return grads
+    anchors = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+    if not anchors:
+        return grads
+    present = [i for i, t in enumerate(grads) if t is not None]
+    tied = _NotTwiceDifferentiable.apply(name, len(present), *(grads[i] for i in present), *anchors)
+    out = list(grads)
+    for i, t in zip(present, tied):
+        out[i] = t
+    return tuple(out)
 
 
 def _storages(tensors) -> set:
@@ -213,11 +266,12 @@ def _make_delta_rule_ops(kind: str):
             q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
             scale, output_final_state, use_qk_l2norm, backend = ctx.args
             dfinal = dfinal if output_final_state else None
-            dq, dk, dv, dg, dbeta, dh0 = bwd_op(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens,
-                                                scale, output_final_state, use_qk_l2norm, backend)
+            grads = bwd_op(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                           use_qk_l2norm, backend)
+            dq, dk, dv, dg, dbeta, dh0 = _first_order(fwd_attr, grads, (do, dfinal, q, k, v, g, beta, initial_state))
             return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None
 
-    return DeltaRule.apply
+    return _entry(DeltaRule, fwd_op)
 
 
 chunk_gated_delta_rule_op = _make_delta_rule_ops("chunk")
@@ -291,13 +345,14 @@ class _CausalConv1d(torch.autograd.Function):
     def backward(ctx, dy, dfinal):
         x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
         activation, output_final_state, backend = ctx.args
-        dx, dw, db, dh0 = _conv_bwd_op(dy, dfinal if output_final_state else None, x, weight, bias,
-                                       initial_state, cu_seqlens, activation, output_final_state, backend)
+        grads = _conv_bwd_op(dy, dfinal if output_final_state else None, x, weight, bias, initial_state,
+                             cu_seqlens, activation, output_final_state, backend)
+        dx, dw, db, dh0 = _first_order("causal_conv1d", grads, (dy, dfinal, x, weight, bias, initial_state))
         return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
                 None, None, None, None)
 
 
-causal_conv1d_op = _CausalConv1d.apply
+causal_conv1d_op = _entry(_CausalConv1d, _conv_fwd_op)
 
 
 def _causal_conv1d_split(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
@@ -381,13 +436,15 @@ class _CausalConv1dSplit(torch.autograd.Function):
         x, weight, bias, initial_state, cu_seqlens = ctx.saved_tensors
         activation, output_final_state, backend = ctx.args
         # (an output that feeds nothing comes as zeros: the Function materialises None gradients)
-        dx, dw, db, dh0 = _conv_split_bwd_op(dy0, dy1, dy2, dfinal if output_final_state else None, x, weight,
-                                             bias, initial_state, cu_seqlens, activation, output_final_state, backend)
+        grads = _conv_split_bwd_op(dy0, dy1, dy2, dfinal if output_final_state else None, x, weight, bias,
+                                   initial_state, cu_seqlens, activation, output_final_state, backend)
+        dx, dw, db, dh0 = _first_order("causal_conv1d_split", grads,
+                                       (dy0, dy1, dy2, dfinal, x, weight, bias, initial_state))
         return (dx, dw, db if bias is not None else None, dh0 if initial_state is not None else None,
                 None, None, None, None, None)
 
 
-causal_conv1d_split_op = _CausalConv1dSplit.apply
+causal_conv1d_split_op = _entry(_CausalConv1dSplit, _conv_split_fwd_op)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -426,10 +483,12 @@ class _GdnGate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dg, dbeta):
-        return (*_gate_bwd_op(dg, dbeta, *ctx.saved_tensors, ctx.backend), None)
+        saved = ctx.saved_tensors     # (unpacked once: non-reentrant checkpointing allows no second unpack)
+        return (*_first_order("gdn_gate", _gate_bwd_op(dg, dbeta, *saved, ctx.backend), (dg, dbeta, *saved)),
+                None)
 
 
-gdn_gate_op = _GdnGate.apply
+gdn_gate_op = _entry(_GdnGate, _gate_fwd_op)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -467,7 +526,8 @@ class _GatedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return (*_norm_bwd_op(dy, *ctx.saved_tensors, *ctx.args), None, None)
+        saved = ctx.saved_tensors
+        return (*_first_order("gated_rms_norm", _norm_bwd_op(dy, *saved, *ctx.args), (dy, *saved)), None, None)
 
 
-gated_rms_norm_op = _GatedRMSNorm.apply
+gated_rms_norm_op = _entry(_GatedRMSNorm, _norm_fwd_op)
