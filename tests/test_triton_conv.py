@@ -124,9 +124,9 @@ def test_dz_pass_tile_differs_from_the_dx_pass_tile(monkeypatch, dz_tile, dz_pro
 
 
 def test_channel_major_inputs_past_the_32_bit_column_offset_are_copied(monkeypatch):
-    """Column offsets (c * channel stride) are 32-bit in the kernels: an x or dy whose last channel lies
-    ``_C_OFFSET_LIMIT`` (2**31) elements or more from its first reaches them as a unit-stride copy. The limit
-    is lowered here so that a small channel-major x and dy pass it; results still match float64."""
+    """Channel offsets (c * channel stride) are 32-bit in the kernels: an x, dy, initial state or dfinal whose
+    last channel lies ``_C_OFFSET_LIMIT`` (2**31) elements or more from its first reaches them as a copy.
+    The limit is lowered here so that small channel-major tensors pass it; results still match float64."""
     monkeypatch.setattr(conv, "_C_OFFSET_LIMIT", 64)
     g = torch.Generator().manual_seed(11)
     T, C, W = 40, 12, 4
@@ -134,19 +134,25 @@ def test_channel_major_inputs_past_the_32_bit_column_offset_are_copied(monkeypat
     dy = torch.randn(1, C, T, generator=g).to(DEV).transpose(1, 2)
     w, bias = (torch.randn(C, W, generator=g) / 2).to(DEV), torch.randn(C, generator=g).to(DEV)
     cu = torch.tensor([0, 7, 40], device=DEV)
-    spies = {k: LaunchSpy(getattr(conv, k)) for k in ("_conv_fwd_kernel", "_conv_dz_kernel")}
+    # states laid out channel-outermost ([C, W - 1, N] permuted): channel stride 3 * 2, 11 * 6 >= 64
+    init = torch.randn(C, W - 1, 2, generator=g).to(DEV).permute(2, 0, 1)
+    dfinal = torch.randn(C, W - 1, 2, generator=g).to(DEV).permute(2, 0, 1)
+    spies = {k: LaunchSpy(getattr(conv, k)) for k in ("_conv_fwd_kernel", "_conv_dz_kernel", "_conv_dx_kernel")}
     for name, spy in spies.items():
         monkeypatch.setattr(conv, name, spy)
-    y, _ = conv.causal_conv1d_fwd(x, w, bias, cu, None, "silu", False)
-    dx, dw, db, _ = conv.causal_conv1d_bwd(dy, None, x, w, bias, cu, None, "silu")
-    assert spies["_conv_fwd_kernel"].launches[0][0].stride(-1) == 1        # x, copied
+    y, fin = conv.causal_conv1d_fwd(x, w, bias, cu, init, "silu", True)
+    dx, dw, db, dinit = conv.causal_conv1d_bwd(dy, dfinal, x, w, bias, cu, init, "silu")
+    fwd_args = spies["_conv_fwd_kernel"].launches[0]
+    assert fwd_args[0].stride(-1) == 1 and fwd_args[3].is_contiguous()     # x and the state, copied
     dz_args = spies["_conv_dz_kernel"].launches[0]
     assert dz_args[0].stride(-1) == 1 and dz_args[6].stride(-1) == 1       # x and dy, copied
+    assert spies["_conv_dx_kernel"].launches[0][4].is_contiguous()         # dfinal, copied
     xr = x.cpu().double().requires_grad_()
-    wr, br = w.cpu().double().requires_grad_(), bias.cpu().double().requires_grad_()
-    yr, _ = reference.causal_conv1d(xr, wr, br, "silu", cu.cpu())
-    yr.backward(dy.cpu().double())
-    for name, a, b in (("y", y, yr), ("dx", dx, xr.grad), ("dw", dw, wr.grad), ("db", db, br.grad)):
+    wr, br, ir = (t.cpu().double().requires_grad_() for t in (w, bias, init))
+    yr, fr = reference.causal_conv1d(xr, wr, br, "silu", cu.cpu(), ir, True)
+    torch.autograd.backward([yr, fr], [dy.cpu().double(), dfinal.cpu().double()])
+    for name, a, b in (("y", y, yr), ("final", fin, fr), ("dx", dx, xr.grad), ("dw", dw, wr.grad),
+                       ("db", db, br.grad), ("dinit", dinit, ir.grad)):
         assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
 
 

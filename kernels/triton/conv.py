@@ -411,16 +411,24 @@ def _strides3(t):
     return (0, 0, 0) if t is None else t.stride()
 
 
-# The kernels' column offsets (c * channel stride) are 32-bit: an x or dy whose channel stride puts its last
-# channel 2**31 elements or more from its first (channel-major, T * C past 2**31) comes as a copy instead.
+# The kernels' channel and tap offsets (c * channel stride, k * tap stride) are 32-bit (token, batch and
+# sequence offsets are int64): a tensor whose layout puts its last channel (or tap) 2**31 elements or more
+# from its first (channel-major x or dy with T * C past 2**31, a state laid out channel-outermost...) comes
+# as a contiguous copy instead.
 _C_OFFSET_LIMIT = 2 ** 31
 
 
-def _narrow_columns(t):
-    """``t``, or ``t.contiguous()`` where ``(C - 1) * |stride(-1)|`` reaches ``_C_OFFSET_LIMIT``."""
-    if t.shape[-1] > 1 and (t.shape[-1] - 1) * abs(t.stride(-1)) >= _C_OFFSET_LIMIT:
+def _narrow_columns(t, dims=(-1,)):
+    """``t`` (None stays None), or ``t.contiguous()`` where ``(size - 1) * |stride|`` of one of ``dims``
+    reaches ``_C_OFFSET_LIMIT``."""
+    if t is not None and any((t.shape[d] - 1) * abs(t.stride(d)) >= _C_OFFSET_LIMIT for d in dims if t.shape[d]):
         return t.contiguous()
     return t
+
+
+def _narrow_params(weight, bias, initial_state):
+    """``weight [C, W]``, ``bias [C]``, ``initial_state [N, C, W - 1]`` through ``_narrow_columns``."""
+    return _narrow_columns(weight, (0, 1)), _narrow_columns(bias, (0,)), _narrow_columns(initial_state, (1, 2))
 
 
 def _as_parts(whole_or_parts, C):
@@ -451,6 +459,7 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     """
     B, T, C = x.shape
     x = _narrow_columns(x)
+    weight, bias, initial_state = _narrow_params(weight, bias, initial_state)
     W = weight.shape[1]
     N = B if cu is None else cu.shape[0] - 1
     dt = _compute_dtype(x, weight, bias, initial_state)
@@ -497,6 +506,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     B, T, C = x.shape
     x = _narrow_columns(x)
     dy = _narrow_columns(dy) if isinstance(dy, torch.Tensor) else [_narrow_columns(d) for d in dy]
+    weight, bias, initial_state = _narrow_params(weight, bias, initial_state)
+    dfinal = _narrow_columns(dfinal, (1, 2))
     W = weight.shape[1]
     N = B if cu is None else cu.shape[0] - 1
     dt = _compute_dtype(x, weight, bias, initial_state)
