@@ -217,10 +217,10 @@ def recurrent_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, 
     return _vjp(f, (q, k, v, g, beta, initial_state), (do, dfinal)[:1 + out_state])
 
 
-# The split conv (one launch for q, k and v, ``conv_splits``) stays off: its first kernels (a select of
-# pointers per column) ran the forward conv in 4.07 ms instead of 0.47 ms at Qwen3-Next's shape, 32k tokens, on
-# an H200 (docs/performance.md, session 11). The masked per-part access that replaced them is not timed on a GPU
-# yet; ``python scripts/bench_triton_conv.py`` prints both, and the flag goes on when the split is not slower.
+# The split conv (one launch for q, k and v, ``conv_splits``) stays off: on an H200 at C = 8192, 32k tokens,
+# its masked per-part kernels take 1.80x the forward and 1.11x the backward of the whole conv
+# (``python scripts/bench_triton_conv.py --quick``, docs/performance.md, session 12; its first form, a select
+# of pointers per column, was 8.7x slower in the layer's forward, session 11).
 CONV_SPLITS = False
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gdn_layer.kernels import reference
-from gdn_layer.kernels.triton import conv
+from gdn_layer.kernels.triton import _layout, conv
 from launch_spy import LaunchSpy
 
 SCAN_TOOL = pathlib.Path("/work/shared/tools/scan_triton.py")
@@ -125,9 +125,9 @@ def test_dz_pass_tile_differs_from_the_dx_pass_tile(monkeypatch, dz_tile, dz_pro
 
 def test_channel_major_inputs_past_the_32_bit_column_offset_are_copied(monkeypatch):
     """Channel offsets (c * channel stride) are 32-bit in the kernels: an x, dy, initial state or dfinal whose
-    last channel lies ``_C_OFFSET_LIMIT`` (2**31) elements or more from its first reaches them as a copy.
+    last channel lies ``_layout.OFFSET_LIMIT`` (2**31) elements or more from its first reaches them as a copy.
     The limit is lowered here so that small channel-major tensors pass it; results still match float64."""
-    monkeypatch.setattr(conv, "_C_OFFSET_LIMIT", 64)
+    monkeypatch.setattr(_layout, "OFFSET_LIMIT", 64)
     g = torch.Generator().manual_seed(11)
     T, C, W = 40, 12, 4
     x = torch.randn(1, C, T, generator=g).to(DEV).transpose(1, 2)          # channel stride T: 11 * 40 >= 64

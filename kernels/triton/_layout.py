@@ -4,7 +4,8 @@ A kernel reads its inputs in place through their strides on every dim but the la
 unit-stride: ``unit_last`` passes a tensor whose last dim is (or has one element) as it is and copies
 any other (a transposed ``[B, H, T]`` buffer read as ``[B, T, H]``, an expanded gradient). Every
 launcher calls it on what it reads, so every caller (the registry's ops through ``kernels/triton_ops.py``,
-the modules' own autograd functions) gets the same rule.
+the modules' own autograd functions) gets the same rule. The conv, which reads any strides, has one
+rule of its own: ``narrow_offsets``.
 """
 from __future__ import annotations
 
@@ -15,3 +16,18 @@ def unit_last(*tensors):
     out = tuple(t if t is None or t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
                 for t in tensors)
     return out if len(out) > 1 else out[0]
+
+
+# Offsets along a kernel's channel (or tap) dim are 32-bit where it computes them from a 32-bit index
+# (the conv's c * channel stride, k * tap stride; its token, batch and sequence offsets are int64).
+OFFSET_LIMIT = 2 ** 31
+
+
+def narrow_offsets(t, dims=(-1,)):
+    """``t`` (None stays None), or ``t.contiguous()`` where ``(size - 1) * |stride|`` of one of ``dims``
+    reaches ``OFFSET_LIMIT``: a layout that puts the last channel 2**31 elements or more from the first
+    (a channel-major x with T * C past 2**31, a state laid out channel-outermost for very many sequences)
+    comes as a contiguous copy; every other layout is read in place."""
+    if t is not None and any((t.shape[d] - 1) * abs(t.stride(d)) >= OFFSET_LIMIT for d in dims if t.shape[d]):
+        return t.contiguous()
+    return t

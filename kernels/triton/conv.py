@@ -42,6 +42,7 @@ import triton.language as tl
 
 from .. import cu_cache
 from ._grid import programs
+from ._layout import narrow_offsets
 
 # Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
@@ -305,7 +306,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
         _dw_col(dw_part, part, acc3, W, 3, cmask)
     if W > 4:
         tl.store(dw_part + part[:, None] * W + kw[None, :], acc_dw,
-                 mask=cmask[:, None] & (kw >= 0)[None, :] & (kw < W - 4)[None, :])
+                 mask=cmask[:, None] & (kw < W - 4)[None, :])
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
@@ -411,24 +412,10 @@ def _strides3(t):
     return (0, 0, 0) if t is None else t.stride()
 
 
-# The kernels' channel and tap offsets (c * channel stride, k * tap stride) are 32-bit (token, batch and
-# sequence offsets are int64): a tensor whose layout puts its last channel (or tap) 2**31 elements or more
-# from its first (channel-major x or dy with T * C past 2**31, a state laid out channel-outermost...) comes
-# as a contiguous copy instead.
-_C_OFFSET_LIMIT = 2 ** 31
-
-
-def _narrow_columns(t, dims=(-1,)):
-    """``t`` (None stays None), or ``t.contiguous()`` where ``(size - 1) * |stride|`` of one of ``dims``
-    reaches ``_C_OFFSET_LIMIT``."""
-    if t is not None and any((t.shape[d] - 1) * abs(t.stride(d)) >= _C_OFFSET_LIMIT for d in dims if t.shape[d]):
-        return t.contiguous()
-    return t
-
-
 def _narrow_params(weight, bias, initial_state):
-    """``weight [C, W]``, ``bias [C]``, ``initial_state [N, C, W - 1]`` through ``_narrow_columns``."""
-    return _narrow_columns(weight, (0, 1)), _narrow_columns(bias, (0,)), _narrow_columns(initial_state, (1, 2))
+    """``weight [C, W]``, ``bias [C]``, ``initial_state [N, C, W - 1]`` through ``narrow_offsets`` (the
+    kernels' channel and tap offsets are 32-bit)."""
+    return narrow_offsets(weight, (0, 1)), narrow_offsets(bias, (0,)), narrow_offsets(initial_state, (1, 2))
 
 
 def _as_parts(whole_or_parts, C):
@@ -458,7 +445,7 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     ``[B, T, C]`` contiguous in x's dtype, or with ``split_sizes`` a list of ``[B, T, size]``.
     """
     B, T, C = x.shape
-    x = _narrow_columns(x)
+    x = narrow_offsets(x)
     weight, bias, initial_state = _narrow_params(weight, bias, initial_state)
     W = weight.shape[1]
     N = B if cu is None else cu.shape[0] - 1
@@ -504,10 +491,10 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     of the dz pass, reduced in torch (deterministic).
     """
     B, T, C = x.shape
-    x = _narrow_columns(x)
-    dy = _narrow_columns(dy) if isinstance(dy, torch.Tensor) else [_narrow_columns(d) for d in dy]
+    x = narrow_offsets(x)
+    dy = narrow_offsets(dy) if isinstance(dy, torch.Tensor) else [narrow_offsets(d) for d in dy]
     weight, bias, initial_state = _narrow_params(weight, bias, initial_state)
-    dfinal = _narrow_columns(dfinal, (1, 2))
+    dfinal = narrow_offsets(dfinal, (1, 2))
     W = weight.shape[1]
     N = B if cu is None else cu.shape[0] - 1
     dt = _compute_dtype(x, weight, bias, initial_state)
