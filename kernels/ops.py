@@ -103,12 +103,7 @@ def _first_order(name: str, grads: tuple, inputs) -> tuple:
     anchors = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
     if not anchors:
         return grads
-    present = [i for i, t in enumerate(grads) if t is not None]
-    tied = _NotTwiceDifferentiable.apply(name, len(present), *(grads[i] for i in present), *anchors)
-    out = list(grads)
-    for i, t in zip(present, tied):
-        out[i] = t
-    return tuple(out)
+    return tuple(_NotTwiceDifferentiable.apply(name, len(grads), *grads, *anchors))   # (all tensors: empty, not None)
 
 
 def _storages(tensors) -> set:
