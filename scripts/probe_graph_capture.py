@@ -110,7 +110,8 @@ def main(argv=None):
         cu_buf = cu_of(packs[0]).clone()
         for i, p in enumerate(packs + packs[:1]):
             cu_buf.copy_(cu_of(p))
-            xi = x.clone().requires_grad_(True)
+            layer.zero_grad(set_to_none=True)   # as an optimizer does: a backward may not accumulate into a
+            xi = x.clone().requires_grad_(True)  # .grad that the trees' pool holds (docs/performance.md)
             y = compiled(xi, cu_seqlens=cu_buf)
             y.backward(dy)
             compare(f"call {i} ", p, y, xi.grad)

@@ -102,10 +102,17 @@ def test_captured_forward_backward_replays_other_packings(backend, D):
             assert rel_err(a, b) <= tol, (i, name, rel_err(a, b))
 
 
-def compiled_steps(layer, compiled, eager=True, mark_step=False):
+def compiled_steps(layer, compiled, eager=True, mark_step=False, zero_grad=True):
     """For 7 packings (5, then the first two again): forward+backward of ``compiled`` (after
     ``torch.compiler.cudagraph_mark_step_begin()`` with ``mark_step``) and, with ``eager``, of ``layer``
-    on the same input; yields ``(i, [(y, x.grad) of each])``. Also run by scripts/probe_reduce_overhead.py."""
+    on the same input; yields ``(i, [(y, x.grad, parameter grads) of each])``.
+
+    With ``zero_grad`` (what a training loop's ``optimizer.zero_grad()`` does) the parameters' ``.grad`` is
+    set to None before each call. Without it the backward accumulates into the ``.grad`` that an earlier
+    call's CUDA graph left in its memory pool, which CUDA-graph trees overwrite at the next step: the
+    accumulation then raises "accessing tensor output of CUDAGraphs that has been overwritten" (torch's
+    documented rule for reduce-overhead; its stack trace names the forward op whose gradient it was).
+    Also run by scripts/probe_reduce_overhead.py."""
     packs = packings(5, seed=3)
     gen = torch.Generator(device="cuda").manual_seed(2)
     dy = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -113,22 +120,29 @@ def compiled_steps(layer, compiled, eager=True, mark_step=False):
         x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
         outs = []
         for f in (compiled, layer) if eager else (compiled,):
+            if zero_grad:
+                layer.zero_grad(set_to_none=True)
             xi = x.clone().requires_grad_(True)
             if f is compiled and mark_step:
                 torch.compiler.cudagraph_mark_step_begin()
             y = f(xi, cu_seqlens=cu_of(p))
             y.backward(dy)
-            outs.append((y.detach().clone(), xi.grad.clone()))
+            outs.append((y.detach().clone(), xi.grad.clone(),
+                         {n: q.grad.clone() for n, q in layer.named_parameters() if q.grad is not None}))
         yield i, outs
 
 
 def test_reduce_overhead_compile_replays_other_packings():
     """``torch.compile(mode="reduce-overhead")``: its CUDA-graph trees copy each call's inputs (a new padded
-    cu_seqlens each call) into the recorded graph's; outputs and input gradients follow the packing."""
+    cu_seqlens each call) into the recorded graph's; outputs, input and parameter gradients follow the
+    packing. (Each step sets the parameters' grads to None first, as an optimizer's ``zero_grad()`` does.)"""
     layer = make_layer("fla" if "fla" in BACKENDS else "auto", 64)
     compiled = torch.compile(layer, mode="reduce-overhead")
-    for i, ((y_c, g_c), (y_e, g_e)) in compiled_steps(layer, compiled):
+    for i, ((y_c, g_c, p_c), (y_e, g_e, p_e)) in compiled_steps(layer, compiled):
         assert rel_err(y_c, y_e) <= 1e-2 and rel_err(g_c, g_e) <= 1e-2, (i, rel_err(y_c, y_e), rel_err(g_c, g_e))
+        assert p_c.keys() == p_e.keys() == {n for n, _ in layer.named_parameters()}, (i, p_c.keys())
+        for n in p_e:
+            assert rel_err(p_c[n], p_e[n]) <= 2e-2, (i, n, rel_err(p_c[n], p_e[n]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
