@@ -146,6 +146,9 @@ class _HeadToSeq(torch.autograd.Function):
         by_rank = out.view(B, T_local, size, F_local)
         by_rank[:, :, me].copy_(xt[me].transpose(0, 1))              # overlaps the exchange
         _wait(works)
+        # viewed again: under torch.compile the wait is a graph break, and a resumed graph given both out
+        # and its view by_rank (then written) fails in AOT autograd's aliasing path with dynamic shapes
+        by_rank = out.view(B, T_local, size, F_local)
         for lo, hi, j in _peer_ranges(size, me):
             by_rank[:, :, lo:hi].copy_(recv[j:j + hi - lo].permute(2, 1, 0, 3))
         return out
