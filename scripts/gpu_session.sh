@@ -119,6 +119,10 @@ for spec in "$@"; do
     # GRAPHS=1: profile the --cuda-graphs step (the replay's kernels; syncs outside the graph)
     prof_ft)       step "$name" "$t" python3 "$R/scripts/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ${GRAPHS:+--cuda-graphs} ;;
+    # each GDN layer in its own CUDA graph (make_graphed_callables), the rest of the step eager: gradients
+    # against eager layers on one batch, then tokens/s eager vs graphed layers side by side (after ft_model)
+    graphed_layers) step "$name" "$t" python3 "$R/scripts/probe_graphed_layers.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
+                        --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers odd --train all --seq-len "${FT_T:-8192}" --out /tmp/graphed_layers ;;
     # the same job on two GPUs of one host (target 5 proper): the hybrid under Ulysses sp = 2, the hybrid
     # and the attention model data-parallel (dp = 2, one sequence per GPU); tokens/s counts both GPUs
     ft2_sp|ft2_dp|ft2_attn)
