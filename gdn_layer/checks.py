@@ -13,12 +13,15 @@ import torch
 
 from gdn_layer.context_parallel import whole_sequence_cu
 from gdn_layer.kernels import check_cu_seqlens
+from gdn_layer.kernels.cu_cache import as_int64
 from gdn_layer.kernels.validation import check_no_nan, values_checkable
 from gdn_layer.parallel import digest_of
 from gdn_layer.parallel.context import agree_across_groups
 from gdn_layer.state import check_state
 from gdn_layer.submodules import check_conv1d
 from gdn_layer.token_order import prepare_token_order
+
+_shared_int64 = torch.compiler.disable(as_int64)
 
 DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -150,6 +153,10 @@ def check_local(layer, x, cu_seqlens, state, output_state):
             f"divisible by cp*sp = {P} is padded first with "
             f"gdn_layer.parallel.pad_for_sp(hidden_states, cu_seqlens, {P})")
         cu = check_cu_seqlens(cu_seqlens, T, device=x.device, length_hint=hint)
+        if layer.cp_size > 1 and torch.compiler.is_compiling():
+            # the shared eager copy (kernels.cu_cache), not one made in the graph at every call: the cp
+            # plans are cached per cu tensor, and a new tensor per call would read cu on the host each call
+            cu = _shared_int64(cu_seqlens, x.device)
     elif layer.cp_size > 1:  # one sequence: the slices still hand its state on
         cu = whole_sequence_cu(T, x.device)
     n = B if cu is None else cu.numel() - 1

@@ -83,18 +83,24 @@ def mix_planned(layer, mixed, plan, state, output_state: bool, conv_initial_stat
             both[:, n_conv:].reshape(N, *recurrent_state.shape[1:]).to(recurrent_state.dtype))
 
 
+@torch.compiler.disable
 def slice_plan(cu: torch.Tensor, size: int, rank: int):
     """``plan_slice`` of ``cu``, built once per ``cu`` tensor (``kernels.cu_cache``): every layer of a step
     and its backward share one plan, and its one host read of ``cu`` is the cached ``host_copy`` that
-    the kernels' own index plans read too (one device-to-host copy per pack, not per layer call)."""
+    the kernels' own index plans read too (one device-to-host copy per pack, not per layer call).
+
+    Never traced by torch.compile (a graph break): traced, the plan's Python guarded on the host values
+    of ``cu`` and recompiled for every new layout until dynamo's recompile limit, and its cache (which
+    keeps nothing while tracing) was bypassed."""
     return cu_cache.derived(cu, ("cp_slice_plan", size, rank), lambda: plan_slice(
         cu, size, rank, host_cu=[int(v) for v in cu_cache.host_copy(cu).tolist()]))
 
 
+@torch.compiler.disable
 def whole_sequence_cu(T: int, device: torch.device) -> torch.Tensor:
     """int64 ``[0, T]`` on ``device`` (one sequence, under CP without ``cu_seqlens``), one tensor per
     ``(T, device)`` (``gdn_layer.derived``, 16 kept): no host-built tensor per call, and the slice plan
-    derived from it is cached too."""
+    derived from it is cached too (never traced by torch.compile, which would make a new one per call)."""
     return derived_from_sizes(_WHOLE, (T, str(device)),
                               lambda: torch.tensor([0, T], dtype=torch.int64, device=device), max_entries=16)
 

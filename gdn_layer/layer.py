@@ -166,6 +166,7 @@ class GatedDeltaNet(nn.Module):
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log_())
             self.norm.weight.fill_(1.0)
 
+    @torch.compiler.disable
     def _feature_index(self, device: torch.device) -> torch.Tensor:
         """Per rank: which channels of ``[q_all | k_all | v_all | a | b]`` it owns after the all-to-all.
 
@@ -173,7 +174,8 @@ class GatedDeltaNet(nn.Module):
         per device and kept in a plain dict (``gdn_layer.derived.derived_from_sizes``: built outside inference
         mode, so an eval pass under ``torch.inference_mode`` cannot hand the next training step an inference
         tensor), never a buffer: ``to_empty`` (meta-device init) would leave a buffer uninitialised, and
-        neither ``reset_parameters`` nor ``load_state_dict`` would refill it.
+        neither ``reset_parameters`` nor ``load_state_dict`` would refill it. Never traced by torch.compile
+        (SP only; a graph break): traced, a new index tensor per call would defeat ``plan_for``'s cache.
         """
         def build():
             Dk, Dv, Hv = self.head_k_dim, self.head_v_dim, self.num_v_heads

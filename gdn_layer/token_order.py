@@ -72,11 +72,23 @@ def prepare_token_order(layer, token_order, x: torch.Tensor, cu: torch.Tensor | 
     if T == 0 and C > 1:
         raise ValueError("token_order was given for an empty pack (T = 0) under cp_group: there is nothing to "
                          "order; pass token_order=None")
-    check = C > 1 or values_checkable(token_order)
-    cu_host = None if C == 1 else tuple(int(v) for v in host_copy(cu).tolist())
-    key = ("gdn_layer.token_order", T, cu_host, C, layer.cp_rank, layer.conv_kernel_size - 1, x.device, check)
+    if C == 1:
+        check = values_checkable(token_order)
+        key = ("gdn_layer.token_order", T, None, C, layer.cp_rank, layer.conv_kernel_size - 1, x.device, check)
+        return derived(token_order, key, lambda: _plan(token_order, T, None, C, layer.cp_rank,
+                                                       layer.conv_kernel_size - 1, x.device, check))
+    return _cp_plan(layer, token_order, T, cu, x.device)
+
+
+@torch.compiler.disable
+def _cp_plan(layer, token_order, T, cu, device) -> HeldOrder:
+    """The plan under cp (its values and ``cu`` read on the host, cached per tensors). Never traced by
+    torch.compile (a graph break): traced, it guarded on the host values and read them at every call."""
+    C = layer.cp_size
+    cu_host = tuple(int(v) for v in host_copy(cu).tolist())
+    key = ("gdn_layer.token_order", T, cu_host, C, layer.cp_rank, layer.conv_kernel_size - 1, device, True)
     return derived(token_order, key, lambda: _plan(token_order, T, cu_host, C, layer.cp_rank,
-                                                   layer.conv_kernel_size - 1, x.device, check))
+                                                   layer.conv_kernel_size - 1, device, True))
 
 
 def _plan(token_order, T, cu_host, C, rank, window, device, check) -> HeldOrder:

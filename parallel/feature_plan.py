@@ -179,10 +179,14 @@ def build_plan(feature_index: torch.Tensor) -> FeaturePlan:
                        tuple(tuple(r) for r in runs_per_row))
 
 
+@torch.compiler.disable
 def plan_for(feature_index: torch.Tensor) -> FeaturePlan:
     """The plan of ``feature_index``, kept by the project's one caching rule (``gdn_layer.derived``:
     identity, shape, storage, version; CPU values compared; an accelerator inference tensor is planned
-    at each call): rebuilt (one host read) after any change to the index."""
+    at each call): rebuilt (one host read) after any change to the index.
+
+    Never traced by torch.compile (a graph break): traced, the cache keeps nothing and the index was read
+    back to the host at every call (a device-to-host copy and sync per layer call on a GPU)."""
     return derived(feature_index, "feature_plan", lambda: build_plan(feature_index))
 
 
