@@ -120,6 +120,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def own_and_finetune_args(doc: str, add_own, argv: list[str] | None = None):
+    """For a script that takes finetune.py's arguments plus its own: ``add_own(parser)`` adds its own to a
+    parser described by ``doc``'s first line; returns ``(its own namespace, the remaining argv)``, which
+    ``parse_args`` then reads. ``-h`` / ``--help`` prints both usages and exits."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = argparse.ArgumentParser(description=doc.split("\n")[0], add_help=False,
+                                  epilog="Every other argument is examples/finetune.py's (its options follow).")
+    add_own(own)
+    own.add_argument("-h", "--help", action="store_true")
+    mine, rest = own.parse_known_args(argv)
+    if mine.help:
+        own.print_help()
+        print()
+        parse_args(["--help"])
+    return mine, rest
+
+
 def sequence_split(sp: int | None, cp: int, world: int) -> int:
     """How many ranks share one sequence: ``--cp`` if > 1, else ``--sp``, else 2 when the world is even."""
     return cp if cp > 1 else (sp or (2 if world % 2 == 0 else 1))

@@ -19,7 +19,6 @@ difference of graphed against eager layers, then the median tokens/s of ``--time
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -73,16 +72,8 @@ def graph_gdn_layers(model, seq_len: int, n_max: int, cu_example: torch.Tensor) 
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False,
-                                  epilog="Every other argument is examples/finetune.py's (its options follow).")
-    own.add_argument("--timed-steps", type=int, default=20, help="training steps timed in each mode, after 3")
-    own.add_argument("-h", "--help", action="store_true")
-    mine, rest = own.parse_known_args(argv)
-    if mine.help:
-        own.print_help()
-        print()
-        finetune.parse_args(["--help"])
+    mine, rest = finetune.own_and_finetune_args(__doc__, lambda p: p.add_argument(
+        "--timed-steps", type=int, default=20, help="training steps timed in each mode, after 3"), argv)
     require_cuda("probe_graphed_layers.py")
     if mine.timed_steps < 1:
         raise SystemExit(f"--timed-steps must be >= 1, got {mine.timed_steps}")

@@ -15,7 +15,6 @@ step's device syncs.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import statistics
@@ -77,16 +76,8 @@ def sync_sources(fn) -> collections.Counter:
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False,
-                                  epilog="Every other argument is examples/finetune.py's (its options follow).")
-    own.add_argument("--profile-steps", type=int, default=5, help="steps recorded after 3 warm-up steps")
-    own.add_argument("-h", "--help", action="store_true")
-    mine, rest = own.parse_known_args(argv)
-    if mine.help:
-        own.print_help()
-        print()
-        finetune.parse_args(["--help"])
+    mine, rest = finetune.own_and_finetune_args(__doc__, lambda p: p.add_argument(
+        "--profile-steps", type=int, default=5, help="steps recorded after 3 warm-up steps"), argv)
     if mine.profile_steps < 1:
         raise ValueError(f"--profile-steps must be >= 1, got {mine.profile_steps}")
     steps = mine.profile_steps
