@@ -73,22 +73,24 @@ def prepare_token_order(layer, token_order, x: torch.Tensor, cu: torch.Tensor | 
         raise ValueError("token_order was given for an empty pack (T = 0) under cp_group: there is nothing to "
                          "order; pass token_order=None")
     if C == 1:
-        check = values_checkable(token_order)
-        key = ("gdn_layer.token_order", T, None, C, layer.cp_rank, layer.conv_kernel_size - 1, x.device, check)
-        return derived(token_order, key, lambda: _plan(token_order, T, None, C, layer.cp_rank,
-                                                       layer.conv_kernel_size - 1, x.device, check))
-    return _cp_plan(layer, token_order, T, cu, x.device)
+        return _held(layer, token_order, T, None, x.device, values_checkable(token_order))
+    return _cp_held(layer, token_order, T, cu, x.device)
+
+
+def _held(layer, token_order, T, cu_host, device, check) -> HeldOrder:
+    """``_plan``, cached per ``token_order`` tensor and arguments (``derived``)."""
+    window = layer.conv_kernel_size - 1
+    key = ("gdn_layer.token_order", T, cu_host, layer.cp_size, layer.cp_rank, window, device, check)
+    return derived(token_order, key, lambda: _plan(token_order, T, cu_host, layer.cp_size, layer.cp_rank,
+                                                   window, device, check))
 
 
 @torch.compiler.disable
-def _cp_plan(layer, token_order, T, cu, device) -> HeldOrder:
-    """The plan under cp (its values and ``cu`` read on the host, cached per tensors). Never traced by
-    torch.compile (a graph break): traced, it guarded on the host values and read them at every call."""
-    C = layer.cp_size
-    cu_host = tuple(int(v) for v in host_copy(cu).tolist())
-    key = ("gdn_layer.token_order", T, cu_host, C, layer.cp_rank, layer.conv_kernel_size - 1, device, True)
-    return derived(token_order, key, lambda: _plan(token_order, T, cu_host, C, layer.cp_rank,
-                                                   layer.conv_kernel_size - 1, device, True))
+def _cp_held(layer, token_order, T, cu, device) -> HeldOrder:
+    """``_held`` under cp: ``cu`` and the order's values read on the host (once per tensors) and checked.
+    Never traced by torch.compile (a graph break): traced, it guarded on the host values and read them at
+    every call."""
+    return _held(layer, token_order, T, tuple(int(v) for v in host_copy(cu).tolist()), device, True)
 
 
 def _plan(token_order, T, cu_host, C, rank, window, device, check) -> HeldOrder:

@@ -143,11 +143,11 @@ class _HeadToSeq(torch.autograd.Function):
         recv = x.new_empty(size - 1, T_local, B, F_local)            # block j: peer j's features of my tokens
         works = _post(_peer_blocks(xt, me), recv.unbind(0), me, group)
         out = x.new_empty(B, T_local, size * F_local)
-        by_rank = out.view(B, T_local, size, F_local)
-        by_rank[:, :, me].copy_(xt[me].transpose(0, 1))              # overlaps the exchange
+        out.view(B, T_local, size, F_local)[:, :, me].copy_(xt[me].transpose(0, 1))   # overlaps the exchange
         _wait(works)
-        # viewed again: under torch.compile the wait is a graph break, and a resumed graph given both out
-        # and its view by_rank (then written) fails in AOT autograd's aliasing path with dynamic shapes
+        # the view is taken after the wait: under torch.compile the wait is a graph break, and a resumed
+        # graph given both out and a view of it (then written) fails in AOT autograd's aliasing path with
+        # dynamic shapes
         by_rank = out.view(B, T_local, size, F_local)
         for lo, hi, j in _peer_ranges(size, me):
             by_rank[:, :, lo:hi].copy_(recv[j:j + hi - lo].permute(2, 1, 0, 3))

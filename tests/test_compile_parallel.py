@@ -3,6 +3,8 @@
 their caches work as in eager mode: the feature plan, the slice plan and the token-order plan of a pack
 are built once (one host read), not at every compiled call. Outputs equal the eager layer's. And the
 all-to-all pair under ``torch.compile(dynamic=True)``. (The layer without SP / CP, one graph: tests/test_compile.py.)"""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,20 +60,29 @@ def _step(f, x, cu):
     return y.detach(), x.grad
 
 
+@contextlib.contextmanager
+def _counting_calls(module, name):
+    """``module.name`` replaced, for the block, by a never-traced wrapper that counts its calls; yields the
+    one-element count list. (Traced, a Python counter would not count the compiled calls.)"""
+    real, builds = getattr(module, name), [0]
+
+    @torch.compiler.disable
+    def counting(*args, **kwargs):
+        builds[0] += 1
+        return real(*args, **kwargs)
+
+    setattr(module, name, counting)
+    try:
+        yield builds
+    finally:
+        setattr(module, name, real)
+
+
 def _sp_plans_once(rank, world):
     """SP: the feature plan is built by the first (eager) call and never again by compiled calls."""
     torch._dynamo.reset()
     layer = _layer(sp_group=dist.group.WORLD)
-    builds = [0]
-    real = feature_plan.build_plan
-
-    @torch.compiler.disable
-    def counting(index):
-        builds[0] += 1
-        return real(index)
-
-    feature_plan.build_plan = counting
-    try:
+    with _counting_calls(feature_plan, "build_plan") as builds:
         compiled = torch.compile(layer, backend="aot_eager", dynamic=True)
         g = torch.Generator().manual_seed(1)
         for i, cu in enumerate([[0, 10, 30, T], [0, 20, T], [0, 5, 6, 40, T]]):
@@ -83,8 +94,6 @@ def _sp_plans_once(rank, world):
             got = _step(compiled, x, cu)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    finally:
-        feature_plan.build_plan = real
     return builds[0]
 
 
@@ -95,17 +104,8 @@ def _cp_plans_once_per_pack(rank, world, token_order):
     from gdn_layer import context_parallel, token_order as token_order_mod
     torch._dynamo.reset()
     layer = _layer(cp_group=dist.group.WORLD)
-    builds = [0]
-    name, module = ("_plan", token_order_mod) if token_order else ("plan_slice", context_parallel)
-    real = getattr(module, name)
-
-    @torch.compiler.disable
-    def counting(*args, **kwargs):
-        builds[0] += 1
-        return real(*args, **kwargs)
-
-    setattr(module, name, counting)
-    try:
+    planner = (token_order_mod, "_plan") if token_order else (context_parallel, "plan_slice")
+    with _counting_calls(*planner) as builds:
         compiled = torch.compile(layer, backend="aot_eager", dynamic=True)
         g = torch.Generator().manual_seed(2)
         q = T // 4           # head-tail: slice c holds the c-th and the (2C-1-c)-th quarter
@@ -122,8 +122,6 @@ def _cp_plans_once_per_pack(rank, world, token_order):
             for _ in range(2):
                 torch.testing.assert_close(compiled(mine, cu_seqlens=cu, **kw), want, rtol=1e-10, atol=1e-12)
             assert builds[0] == before, (j, before, builds[0])   # the compiled calls reuse it
-    finally:
-        setattr(module, name, real)
     return builds[0]
 
 
