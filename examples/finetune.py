@@ -4,12 +4,14 @@
     torchrun --nproc_per_node=2 examples/finetune.py --resume # continue from runs/finetune/checkpoint.pt
     python examples/finetune.py --tiny --steps 3              # one process, tiny random model
     python examples/finetune.py --device cuda --cuda-graphs   # the step captured in a CUDA graph (sp = 1)
+    python examples/finetune.py --device cuda --graph-layers  # each GatedDeltaNet in its own CUDA graph (sp = 1)
 
 World = dp * sp ranks; SP groups are consecutive ranks. Each step every data-parallel replica takes one
 packed sequence of ``--seq-len`` tokens (documents back to back, ``cu_seqlens`` at their boundaries);
 its SP ranks each hold a contiguous ``T / sp`` slice. Gradients are summed over SP (``reduce_sp_grads``)
 and averaged over DP. With ``--cuda-graphs`` forward + loss + backward are one CUDA graph replayed on
-static buffers (graph_step.py). Writes to ``--out``: ``checkpoint.pt`` (atomic, see checkpoint.py),
+static buffers (graph_step.py); with ``--graph-layers`` only the GatedDeltaNet layers are (gdn_layer.graphed).
+Writes to ``--out``: ``checkpoint.pt`` (atomic, see checkpoint.py),
 ``loss.png``, ``log.jsonl``, ``metrics.json``. A resumed run cuts ``log.jsonl`` back to the checkpoint's step, so after a
 crash and ``--resume`` every output equals an uninterrupted run's. See docs/finetune.md.
 """
@@ -36,7 +38,7 @@ import graph_step
 import text_data
 from checkpoint import load_checkpoint, save_checkpoint, truncate_log
 from hybrid import default_gdn_heads, hybrid_forward, load_model, local_loss, make_hybrid, parse_layers
-from gdn_layer import GatedDeltaNet
+from gdn_layer import GatedDeltaNet, make_graphed_layers
 from gdn_layer.parallel import reduce_sp_grads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="capture forward + loss + backward once in a CUDA graph and replay it every step, on "
                         "static buffers of --seq-len tokens and the largest document count of any batch "
                         "(docs/finetune.md); needs --device cuda and --sp 1 --cp 1 (DP replicas are fine)")
+    p.add_argument("--graph-layers", action="store_true",
+                   help="capture each GatedDeltaNet layer's forward and backward in its own CUDA graph "
+                        "(gdn_layer.make_graphed_layers) at --seq-len tokens and the largest document count of "
+                        "any batch; the rest of the step stays eager (docs/finetune.md); needs --device cuda and "
+                        "--sp 1 --cp 1; not with --cuda-graphs")
     # Fault injection for tests/test_finetune_faults.py only: 'RANK:STEP' makes rank RANK SIGKILL itself on
     # entering step STEP (1-based); 'save:STEP' makes rank 0 SIGKILL itself while saving the checkpoint
     # of step STEP, after the temp file is written and before it is renamed.
@@ -99,8 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError("--tiny builds its own 2-layer model: drop --model, or drop --tiny to fine-tune the model")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but this torch sees no CUDA device (a CPU-only build, or none visible)")
-    if args.cuda_graphs and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
-        raise ValueError(f"--cuda-graphs needs --device cuda (there is nothing to capture on the CPU), got "
+    if args.cuda_graphs and args.graph_layers:
+        raise ValueError("--cuda-graphs captures the whole step, GatedDeltaNet layers included: pass one of "
+                         "--cuda-graphs and --graph-layers")
+    graphs = "--cuda-graphs" if args.cuda_graphs else "--graph-layers" if args.graph_layers else None
+    if graphs and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
+        raise ValueError(f"{graphs} needs --device cuda (there is nothing to capture on the CPU), got "
                          f"--device {args.device}" + (" with no CUDA device visible" if args.device == "auto" else ""))
     if args.cp > 1 and (args.sp or 1) != 1:
         raise ValueError(f"--cp {args.cp} runs with --sp 1 (this example does not build a cp x sp mesh)")
@@ -110,8 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seq_len % split:
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by {what}: every rank holds seq_len / "
                          f"{split} tokens of each packed sequence; pick a --seq-len that is a multiple of {split}")
-    if args.cuda_graphs and split != 1:
-        raise ValueError(f"--cuda-graphs runs one process per sequence, so not with {what}: the all-to-all and "
+    if graphs and split != 1:
+        raise ValueError(f"{graphs} runs one process per sequence, so not with {what}: the all-to-all and "
                          "state passing inside a captured graph are not supported yet; pass "
                          + ("--cp 1 --sp 1" if args.cp > 1 else "--sp 1")
                          + " (data-parallel replicas are fine: their all-reduce runs outside the graph)")
@@ -382,8 +393,9 @@ def run(args: argparse.Namespace) -> dict:
     ctx = setup_distributed(args.sp, args.device, args.cp)
     if args.seq_len % ctx.sp:   # (parse_args checks these two when torchrun sets WORLD_SIZE)
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by --{'cp' if ctx.cp else 'sp'} {ctx.sp}")
-    if args.cuda_graphs and ctx.sp > 1:
-        raise ValueError(f"--cuda-graphs runs one process per sequence, so not with --{'cp' if ctx.cp else 'sp'} {ctx.sp}")
+    if (args.cuda_graphs or args.graph_layers) and ctx.sp > 1:
+        raise ValueError(f"--{'cuda-graphs' if args.cuda_graphs else 'graph-layers'} runs one process per sequence, "
+                         f"so not with --{'cp' if ctx.cp else 'sp'} {ctx.sp}")
     lead = ctx.rank == 0
     os.makedirs(args.out, exist_ok=True)
     if not lead:
@@ -423,6 +435,13 @@ def run(args: argparse.Namespace) -> dict:
             print(f"--cuda-graphs: capacity {args.seq_len} tokens and N_max = {n_max} documents (the most in any "
                   "training batch); " + ("captured at the first step" if static.capture else "not captured on the CPU"),
                   flush=True)
+
+    if args.graph_layers:   # parse_args admits it on CUDA only; the tests run it on the CPU with a stand-in capture
+        n_max = graph_step.max_documents(train)
+        n = len(make_graphed_layers(model, args.seq_len, n_max))
+        if lead:
+            print(f"--graph-layers: {n} GatedDeltaNet layers captured at {args.seq_len} tokens and N_max = {n_max} "
+                  "documents (the most in any training batch); the rest of the step runs eagerly", flush=True)
 
     log = open(log_path, "a" if args.resume else "w") if lead else None
     # the summary compares the resumed step with the last one (kept out of state["evals"]: a resumed

@@ -190,6 +190,8 @@ class GatedDeltaNet(nn.Module):
             return torch.stack(rows).to(device)
         return derived_from_sizes(self._feature_index_cache, (device.type, device.index), build)
 
+    _graphed = None   # gdn_layer.graphed.GraphedCall on a layer captured by make_graphed_layers
+
     def __deepcopy__(self, memo):
         """A deep copy that shares the SP (and CP) process group (which cannot be copied or pickled): EMA and
         reference models are deep copies that run in the same group."""
@@ -231,6 +233,9 @@ class GatedDeltaNet(nn.Module):
             TypeError / ValueError naming the argument, before any kernel launch or collective (under SP,
             with value checks on, every rank raises together after one small all-reduce).
         """
+        graphed = self._graphed   # make_graphed_layers: a call of the captured capacity replays (gdn_layer/graphed.py)
+        if graphed is not None and graphed.applies(self, hidden_states, cu_seqlens, state, output_state, token_order):
+            return graphed(self, hidden_states, cu_seqlens)
         cu, held = check_inputs(self, hidden_states, cu_seqlens, state, output_state, token_order)
         state = state_for_autograd(state)
         # pre-conv [q | k | v | a | b] of this rank's heads for every token (under SP the all-to-all is

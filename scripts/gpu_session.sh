@@ -68,6 +68,8 @@ for spec in "$@"; do
     graphs)        step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
     # the graph tests other than the replays (reduce-overhead, no-sync, the CPU-cu refusal): fewer cold compiles
     graphs_all)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
+    # gdn_layer.make_graphed_layers on the GPU (tests/test_cuda_graphs.py's graphed-layers tests)
+    graphed)       step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k graphed_layers ;;
     graphs_rest)   step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k "not test_captured_forward_backward_replays_other_packings" ;;
     probe_graph)   step "$name" "$t" python3 "$R/scripts/probe_graph_capture.py" --backend auto --shape ft --T 8192 --n-max 16 ;;
     # issue 23: host cost per layer call, eager and CUDA-graph replay, ours (auto) then fla's layer, one call
@@ -106,23 +108,20 @@ for spec in "$@"; do
     # 8192 tokens and 3 held-out; at --seq-len 32768 no held-out pack, so the 32k runs need the whole set):
     #   ... -type f ! -name '*.dat' ! -name '*.u8' ! -name '[s-z]*' -exec cp {} .device/fortunes/ \;
     ft_model)      step "$name" "$t" python3 -c "import shutil, torch, transformers as t; shutil.copytree('$R/.device/smollm2', '/tmp/smollm2', dirs_exist_ok=True); torch.manual_seed(0); t.AutoModelForCausalLM.from_config(t.AutoConfig.from_pretrained('/tmp/smollm2')).save_pretrained('/tmp/smollm2'); print('transformers', t.__version__)" ;;
-    # *_graphs: the same job with its training step captured once in a CUDA graph (--cuda-graphs)
-    ft_auto|ft_torch|ft_attn|ft_graphs|ft_attn_graphs)
+    # *_graphs: the same job with its training step captured once in a CUDA graph (--cuda-graphs);
+    # ft_layers: each GatedDeltaNet layer in its own CUDA graph, the rest eager (--graph-layers)
+    ft_auto|ft_torch|ft_attn|ft_graphs|ft_attn_graphs|ft_layers)
                    b=auto; lay=odd; g=
                    case $name in ft_torch) b=torch ;; ft_attn*) lay=none ;; esac
-                   case $name in *_graphs) g=--cuda-graphs ;; esac
+                   case $name in *_graphs) g=--cuda-graphs ;; ft_layers) g=--graph-layers ;; esac
                    step "$name" "$t" python3 "$R/examples/finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "$b" --layers "$lay" --train all --seq-len "${FT_T:-8192}" \
                         --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name" $g
                    tok_s "$name"
-                   case $name in ft_graphs) same_losses ft_auto "$name" ;; ft_attn_graphs) same_losses ft_attn "$name" ;; esac ;;
+                   case $name in ft_graphs|ft_layers) same_losses ft_auto "$name" ;; ft_attn_graphs) same_losses ft_attn "$name" ;; esac ;;
     # GRAPHS=1: profile the --cuda-graphs step (the replay's kernels; syncs outside the graph)
     prof_ft)       step "$name" "$t" python3 "$R/scripts/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ${GRAPHS:+--cuda-graphs} ;;
-    # each GDN layer in its own CUDA graph (make_graphed_callables), the rest of the step eager: gradients
-    # against eager layers on one batch, then tokens/s eager vs graphed layers side by side (after ft_model)
-    graphed_layers) step "$name" "$t" python3 "$R/scripts/probe_graphed_layers.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
-                        --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers odd --train all --seq-len "${FT_T:-8192}" --out /tmp/graphed_layers ;;
     # the same job on two GPUs of one host (target 5 proper): the hybrid under Ulysses sp = 2, the hybrid
     # and the attention model data-parallel (dp = 2, one sequence per GPU); tokens/s counts both GPUs
     ft2_sp|ft2_dp|ft2_attn)

@@ -1,4 +1,4 @@
-"""examples/finetune.py --cuda-graphs on the CPU: the static-buffer step (examples/graph_step.py) run without a
+"""examples/finetune.py --cuda-graphs (and --graph-layers) on the CPU: the static-buffer step (examples/graph_step.py) run without a
 graph trains exactly like the eager step, reads nothing on the host, and the flag's limits are checked
 while parsing the arguments. The capture itself needs a GPU (scripts/gpu_session.sh ft_graphs)."""
 import copy
@@ -159,6 +159,30 @@ def test_run_with_cuda_graphs_trains_and_resumes_like_the_eager_run(corpus, tmp_
     assert resumed["eval_after"] == pytest.approx(eager["eval_after"], rel=1e-6)
 
 
+def test_run_with_graph_layers_trains_and_resumes_like_the_eager_run(corpus, tmp_path, capsys, monkeypatch):
+    """``--graph-layers`` (set after parsing) with gdn_layer.graphed's capture replaced by the CPU stand-in
+    (tests/graph_standin.py: torch's static-buffer semantics): every training step's GDN layer replays, eval
+    runs it eagerly, and the losses, the held-out loss and a resume equal the eager run's."""
+    import gdn_layer.graphed
+    from graph_standin import Replays
+    replays = Replays()
+    monkeypatch.setattr(gdn_layer.graphed, "_capture", replays)
+    eager = _run(argv(corpus, str(tmp_path / "eager"), 1), graphs=False)
+
+    def graph_layers(args_list):
+        args = finetune.parse_args(args_list)
+        args.graph_layers = True
+        return finetune.run(args)
+    first = graph_layers(argv(corpus, str(tmp_path / "layers"), 1, steps=2))
+    assert "--graph-layers: 1 GatedDeltaNet layers captured at 64 tokens and N_max = " in capsys.readouterr().out
+    assert (replays.forwards, replays.backwards) == (2, 2)
+    resumed = graph_layers(argv(corpus, str(tmp_path / "layers"), 1, "--resume"))
+    assert replays.backwards == len(eager["losses"])
+    assert resumed["losses"] == pytest.approx(eager["losses"], rel=1e-6, abs=0)
+    assert first["losses"] == pytest.approx(eager["losses"][:2], rel=1e-6, abs=0)
+    assert resumed["eval_after"] == pytest.approx(eager["eval_after"], rel=1e-6)
+
+
 def _dp2(rank, world, corpus, out):
     losses = [_run(argv(corpus, f"{out}/{graphs}", 1), graphs)["losses"] for graphs in (False, True)]
     # without torchrun's WORLD_SIZE parse_args cannot see that the default SP size is 2: run refuses it
@@ -192,6 +216,19 @@ def test_cuda_graphs_outside_its_limits_is_refused_in_argument_parsing(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # (--device cuda is checked too)
     with pytest.raises(ValueError, match=match):
         finetune.parse_args(["--cuda-graphs", *extra])
+
+
+@pytest.mark.parametrize("world, extra, match", [
+    ("1", ["--device", "cpu"], "--graph-layers needs --device cuda .*, got --device cpu"),
+    ("1", ["--device", "cuda", "--sp", "2"], "--graph-layers runs one process per sequence, so not with --sp 2:"),
+    ("2", ["--device", "cuda", "--sp", "1", "--cp", "2"], "--graph-layers runs .* so not with --cp 2"),
+    ("1", ["--device", "cuda", "--cuda-graphs"], "pass one of --cuda-graphs and --graph-layers"),
+])
+def test_graph_layers_outside_its_limits_is_refused_in_argument_parsing(monkeypatch, world, extra, match):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=match):
+        finetune.parse_args(["--graph-layers", *extra])
 
 
 def test_cuda_graphs_with_auto_device_and_no_gpu_is_refused(monkeypatch):

@@ -1,0 +1,285 @@
+"""Each GatedDeltaNet of a model in its own CUDA graph at a fixed capacity; the rest of the model stays eager.
+
+A GDN layer's eager forward+backward launches tens of small kernels, and at a few thousand tokens the host
+(Python, autograd, launches) takes longer than the GPU does (docs/performance.md: about 6.6 ms of host time per
+fine-tune-shape layer call at 8 192 tokens against 1 ms of kernels). Capturing the whole training step removes
+that cost, but many models cannot be captured whole (host-side control flow, data-dependent shapes, hooks).
+``make_graphed_layers`` captures only the GDN layers: each one's forward and backward become one CUDA-graph
+replay each, at a fixed *capacity* (``hidden_states [1, tokens, hidden]``, ``cu_seqlens`` padded on the device to
+``max_num_seqs + 1`` entries with empty segments, ``gdn_layer.parallel.pad_cu_seqlens``). Every packing of that
+capacity (any number of documents up to ``max_num_seqs``, any lengths) replays the same graphs with no host read.
+
+The capture is ``torch.cuda.make_graphed_callables`` (all layers together, one memory pool, in the order given).
+Around it this module adds what that API leaves to the caller, each of which would otherwise be a silent error:
+
+- **Gradients are the caller's.** ``make_graphed_callables`` returns its static gradient buffers; autograd may
+  keep such a buffer as a leaf's ``.grad``, and the next replay then overwrites it, so gradient accumulation over
+  micro-batches (or ``zero_grad(set_to_none=False)``) gives wrong sums (PyTorch issue #181723). Here the input's
+  gradient is a copy, and each parameter's gradient is copied when it would become the parameter's ``.grad``.
+- **The output is the caller's.** The replay writes a static buffer; the layer returns a copy of it.
+- **Order.** The captures share one memory pool, so a replay is only valid in the order of the captures: a
+  forward may overwrite what an earlier forward of the same layer, or of a later-captured layer, saved for its
+  backward. Each forward's saved state gets a token; a backward whose state may have been overwritten since
+  raises ``RuntimeError`` instead of returning wrong gradients. Layers run forward in capture order and
+  backward in reverse (what one forward and backward of a model does) always pass.
+
+Calls outside the capacity run the layer's eager forward, with the same results: eval mode, no grad or
+inference mode, another shape or dtype of ``hidden_states``, more than ``max_num_seqs`` sequences, a ``state``,
+``output_state``, ``token_order``, autocast, inside ``torch.compile`` or another CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gdn_layer.checks import check_local
+from gdn_layer.parallel import pad_cu_seqlens
+
+
+def _cuda_capture(wrappers: tuple, samples: tuple) -> tuple:
+    """The capture: ``torch.cuda.make_graphed_callables`` over all layers at once (one memory pool)."""
+    return torch.cuda.make_graphed_callables(wrappers, samples)
+
+
+_capture = _cuda_capture   # the CPU tests put a stand-in here that keeps the API's static-buffer semantics
+
+
+class _Positional(nn.Module):
+    """The eager layer as ``forward(x, cu)``: ``make_graphed_callables`` passes positional tensors and takes the
+    module's parameters (the layer's) as the graph's other inputs."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, cu):
+        from gdn_layer.layer import GatedDeltaNet
+        entry = self.layer.__dict__.pop("_graphed", None)   # the eager layer, even if it is graphed already
+        try:
+            return GatedDeltaNet.forward(self.layer, x, cu_seqlens=cu)   # the base class's: also for subclasses
+        finally:
+            if entry is not None:
+                self.layer._graphed = entry
+
+
+class _Order:
+    """Which forwards' saved states are still intact in the shared pool (a stack by capture index)."""
+
+    def __init__(self):
+        self.open: list[tuple[int, int]] = []   # (capture index, token), indices increasing
+        self.count = 0
+
+    def forward(self, index: int) -> int:
+        # this replay may overwrite what layers captured at or after `index` saved: their backwards are void
+        while self.open and self.open[-1][0] >= index:
+            self.open.pop()
+        self.count += 1
+        self.open.append((index, self.count))
+        return self.count
+
+    def backward(self, index: int, token: int) -> None:
+        if (index, token) not in self.open:
+            raise RuntimeError(
+                f"graphed GatedDeltaNet (capture index {index}): the activations this backward needs were "
+                "overwritten by a later forward replay (of this layer, or of one captured before it), or this "
+                "forward's backward already ran. With gdn_layer.make_graphed_layers, run each forward's backward "
+                "before its layer runs forward again, and the layers forward in capture order (docs/layer.md, "
+                "'CUDA graphs per layer').")
+        # the backward replay may overwrite what layers captured after `index` saved: their backwards are void
+        while self.open[-1] != (index, token):
+            self.open.pop()
+        self.open.pop()
+
+
+class _InputCopy(torch.autograd.Function):
+    """Identity forward; the backward hands on a copy of the static input-gradient buffer."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone()
+
+
+class _OutputCopy(torch.autograd.Function):
+    """A copy of the static output buffer; the backward first checks that the forward's state is intact."""
+
+    @staticmethod
+    def forward(ctx, y, order, index, token):
+        ctx.order, ctx.index, ctx.token = order, index, token
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.order.backward(ctx.index, ctx.token)
+        return grad, None, None, None
+
+
+def _none():
+    return None
+
+
+class GraphedCall:
+    """One layer's captured forward/backward and its capacity (``layer._graphed``; ``make_graphed_layers``)."""
+
+    def __init__(self, graphed, order: _Order, index: int, params: list, tokens: int, max_num_seqs: int,
+                 hidden: int, dtype: torch.dtype, device: torch.device, whole: torch.Tensor):
+        self.graphed, self.order, self.index = graphed, order, index
+        self.params = params
+        self.signature = [(p.data_ptr(), p.requires_grad) for p in params]
+        self.shape = torch.Size((1, tokens, hidden))
+        self.tokens, self.max_num_seqs, self.dtype, self.device = tokens, max_num_seqs, dtype, device
+        self.whole = whole            # [0, T, T, ...]: the padded cu_seqlens of one sequence (cu_seqlens=None)
+        self.hooks = [p.register_hook(_own_grad(p)) for p in params if p.requires_grad]
+
+    def applies(self, layer, x, cu, state, output_state, token_order) -> bool:
+        """Whether this call is one of the capacity (else the layer runs eagerly)."""
+        return (layer.training and torch.is_grad_enabled() and state is None and not output_state
+                and token_order is None and isinstance(x, torch.Tensor) and x.shape == self.shape
+                and x.dtype == self.dtype and x.device == self.device
+                and (cu is None or (isinstance(cu, torch.Tensor) and cu.dim() == 1
+                                    and cu.numel() <= self.max_num_seqs + 1))
+                and not torch.is_autocast_enabled(self.device.type)
+                and not torch.compiler.is_compiling()
+                and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+
+    def __call__(self, layer, x, cu):
+        if [(p.data_ptr(), p.requires_grad) for p in layer.parameters()] != self.signature:
+            raise RuntimeError(
+                "graphed GatedDeltaNet: a parameter was replaced, moved or had requires_grad changed since "
+                "gdn_layer.make_graphed_layers captured it (the graphs read the old memory): call "
+                "make_graphed_layers again, or release_graphed_layers to run eagerly.")
+        cu = self.whole if cu is None else pad_cu_seqlens(check_local(layer, x, cu, None, False), self.max_num_seqs)
+        token = self.order.forward(self.index)
+        y = self.graphed(_InputCopy.apply(x), cu)
+        return _OutputCopy.apply(y, self.order, self.index, token)
+
+    def release(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    # a copy or a pickle of the model is not graphed: its parameters are other tensors
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (_none, ())
+
+
+def _own_grad(p: torch.Tensor):
+    """A gradient about to become ``p.grad`` (``p.grad`` is None, so autograd would keep the tensor it gets,
+    possibly a static buffer of the graph) is copied first; an accumulation into an existing ``.grad`` reads
+    the buffer before the next replay and needs no copy."""
+    def hook(grad):
+        return grad.clone() if p.grad is None else None
+    return hook
+
+
+def _layers_of(module: nn.Module) -> list:
+    from gdn_layer.layer import GatedDeltaNet
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module (a model or a GatedDeltaNet), got {type(module).__name__}")
+    return [m for m in module.modules() if isinstance(m, GatedDeltaNet)]
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int,
+                        dtype: torch.dtype | None = None) -> list:
+    """Capture every ``GatedDeltaNet`` in ``module`` (forward and backward) in CUDA graphs at one capacity.
+
+    After this, a training-mode call ``layer(hidden_states, cu_seqlens=cu)`` with grad enabled, ``hidden_states``
+    ``[1, tokens, hidden]`` of ``dtype`` on the layers' GPU and ``cu`` ``[N + 1]`` int32/int64 with
+    ``N <= max_num_seqs`` (or None: one sequence) replays the layer's captured forward, and its backward replays
+    the captured backward: no host read of ``cu``, a few kernel launches instead of the layer's tens. Results
+    equal eager calls up to the kernels' rounding (the same kernels run). Other calls run eagerly (module
+    docstring). Layers must run forward in the order of ``module.modules()`` and backward in reverse, as one
+    forward+backward of a model does (else ``RuntimeError`` at the backward, never wrong gradients).
+
+    Call it after the model is on its GPU in its final dtype, after ``gdn_layer.kernels.warmup()`` if the kernels
+    are not compiled yet (the capture warms up too: 3 forward+backward calls per layer), after setting which
+    parameters require grad, and before building the optimizer is fine (parameters keep their memory).
+    Replacing a parameter afterwards (``.to()``, ``load_state_dict(assign=True)``, FSDP resharding, accelerate
+    offload) makes the next replay raise; ``load_state_dict`` (copying in place) and optimizer steps are fine.
+    Forward hooks on the layer's submodules run once, at capture. Calling it again re-captures (e.g. for another
+    capacity); ``release_graphed_layers`` returns the layers to eager mode.
+
+    Memory: the graphs' pool keeps one layer's temporaries plus, per layer, its saved activations, its
+    static input / output / gradient buffers (``tokens x hidden`` each) and one copy of its parameters' gradients.
+
+    Args:
+        module: a model holding GatedDeltaNet layers, or one layer. Layers with ``sp_group`` / ``cp_group`` are
+            refused (their all-to-alls and state passing are not captured).
+        tokens: ``T``, the packed length of every replayed call.
+        max_num_seqs: ``N_max``, the most sequences (documents) a replayed pack may hold.
+        dtype: the dtype of ``hidden_states``; default the dtype of the layer's output projection weight.
+
+    Returns:
+        The graphed layers, in capture order.
+
+    Raises:
+        TypeError / ValueError: a bad argument, no GatedDeltaNet in ``module``, layers not on one CUDA device,
+            or a layer under SP / CP; raised before anything is captured.
+
+    Source: ``torch.cuda.make_graphed_callables`` (PyTorch's per-callable capture); the copies around it follow
+    PyTorch issue #181723.
+    """
+    layers = _layers_of(module)
+    _check_positive_int("tokens", tokens)
+    _check_positive_int("max_num_seqs", max_num_seqs)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+    if not layers:
+        raise ValueError(f"module holds no GatedDeltaNet layer ({type(module).__name__})")
+    for i, layer in enumerate(layers):
+        if layer.sp_size * layer.cp_size > 1:
+            raise ValueError(f"layer {i} of module runs under sp_group / cp_group: make_graphed_layers captures "
+                             "layers without SP / CP only (their collectives are not captured)")
+    devices = {p.device for layer in layers for p in layer.parameters()}
+    if _capture is _cuda_capture and (len(devices) != 1 or next(iter(devices)).type != "cuda"):
+        raise ValueError("make_graphed_layers captures CUDA graphs: every GatedDeltaNet parameter must be on one "
+                         f"CUDA device, got {sorted(str(d) for d in devices)}")
+    device = next(iter(devices))
+    release_graphed_layers(module)
+
+    wrappers = tuple(_Positional(layer) for layer in layers)
+    step = max(1, math.ceil(tokens / max_num_seqs))
+    bounds = [min(i * step, tokens) for i in range(max_num_seqs)] + [tokens]
+    cu0 = torch.tensor(bounds, dtype=torch.int32, device=device)   # N_max segments (the last ones may be empty)
+    samples = []
+    for layer in layers:
+        x_dtype = dtype or layer.out_proj.weight.dtype
+        samples.append((torch.randn(1, tokens, layer.hidden_size, device=device, dtype=x_dtype, requires_grad=True),
+                        cu0.clone()))
+    graphed = _capture(wrappers, tuple(samples))
+    order = _Order()
+    whole = pad_cu_seqlens(torch.tensor([0, tokens], dtype=torch.int32, device=device), max_num_seqs)
+    for i, (layer, g, (x, _)) in enumerate(zip(layers, graphed, samples)):
+        layer._graphed = GraphedCall(g, order, i, list(layer.parameters()), tokens, max_num_seqs,
+                                     layer.hidden_size, x.dtype, device, whole)
+    return layers
+
+
+def release_graphed_layers(module: nn.Module) -> int:
+    """Return every graphed GatedDeltaNet in ``module`` to eager calls (its graphs are freed with it).
+    Returns the number released."""
+    n = 0
+    for layer in _layers_of(module):
+        entry = layer.__dict__.pop("_graphed", None)
+        if entry is not None:
+            entry.release()
+            n += 1
+    return n
+
+
+__all__ = ["make_graphed_layers", "release_graphed_layers", "GraphedCall"]
