@@ -69,7 +69,7 @@ for spec in "$@"; do
     # the graph tests other than the replays (reduce-overhead, no-sync, the CPU-cu refusal): fewer cold compiles
     graphs_all)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
     # gdn_layer.make_graphed_layers on the GPU (tests/test_cuda_graphs.py's graphed-layers tests)
-    graphed)       step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k graphed_layers ;;
+    graphed)       step "$name" "$t" python3 -m pytest -q -x -rP --tb=long -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k "${K:-graphed_layers}" ;;
     graphs_rest)   step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k "not test_captured_forward_backward_replays_other_packings" ;;
     probe_graph)   step "$name" "$t" python3 "$R/scripts/probe_graph_capture.py" --backend auto --shape ft --T 8192 --n-max 16 ;;
     # issue 23: host cost per layer call, eager and CUDA-graph replay, ours (auto) then fla's layer, one call

@@ -204,7 +204,9 @@ def test_graphed_layers_replay_other_packings_and_accumulate_like_eager(backend)
     make_graphed_layers(model, T, N_MAX)
     packs = packings(5, seed=7)
     gen = torch.Generator(device="cuda").manual_seed(4)
-    tol = 1e-3 if backend == "fla" else 2e-2     # FlashQLA runs eagerly, fla's kernels in the graph (see above)
+    # bf16 (1e-2): cuBLAS may pick other GEMM kernels under capture than eagerly; FlashQLA runs eagerly and fla's
+    # kernels in the graph (see above). The accumulation error this guards against is of order 1.
+    tol = 1e-2 if backend == "fla" else 2e-2
     for i, accumulate in enumerate([False, False, True, False, True, True]):
         p = packs[i % len(packs)]
         x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
