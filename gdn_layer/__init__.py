@@ -4,9 +4,9 @@
 ``gdn_layer.parallel``, the transformers adapter in ``gdn_layer.hf``;
 ``make_graphed_layers`` puts each layer of a model in its own CUDA graph (gdn_layer/graphed.py).
 """
-from gdn_layer.graphed import make_graphed_layers, release_graphed_layers
+from gdn_layer.graphed import count_replays, make_graphed_layers, release_graphed_layers
 from gdn_layer.layer import GatedDeltaNet
 from gdn_layer.state import GDNState
 
 __version__ = "0.1.0"
-__all__ = ["GatedDeltaNet", "GDNState", "make_graphed_layers", "release_graphed_layers"]
+__all__ = ["GatedDeltaNet", "GDNState", "make_graphed_layers", "release_graphed_layers", "count_replays"]

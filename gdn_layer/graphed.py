@@ -135,6 +135,7 @@ class GraphedCall:
         self.tokens, self.max_num_seqs, self.dtype, self.device = tokens, max_num_seqs, dtype, device
         self.whole = whole            # [0, T, T, ...]: the padded cu_seqlens of one sequence (cu_seqlens=None)
         self.hooks = [p.register_hook(_own_grad(p)) for p in params if p.requires_grad]
+        self.replays = 0              # forward replays since the capture (count_replays)
 
     def applies(self, layer, x, cu, state, output_state, token_order) -> bool:
         """Whether this call is one of the capacity (else the layer runs eagerly)."""
@@ -155,6 +156,7 @@ class GraphedCall:
                 "make_graphed_layers again, or release_graphed_layers to run eagerly.")
         cu = self.whole if cu is None else pad_cu_seqlens(check_local(layer, x, cu, None, False), self.max_num_seqs)
         token = self.order.forward(self.index)
+        self.replays += 1
         y = self.graphed(_InputCopy.apply(x), cu)
         return _OutputCopy.apply(y, self.order, self.index, token)
 
@@ -282,4 +284,11 @@ def release_graphed_layers(module: nn.Module) -> int:
     return n
 
 
-__all__ = ["make_graphed_layers", "release_graphed_layers", "GraphedCall"]
+def count_replays(module: nn.Module) -> int:
+    """The number of forward replays of the graphed GatedDeltaNet layers in ``module`` since their capture (each
+    replayed layer call counts one; eager calls count nothing): a check that training calls do replay, e.g.
+    that autocast or another ``hidden_states`` shape does not send them to the eager layer."""
+    return sum(layer._graphed.replays for layer in _layers_of(module) if layer._graphed is not None)
+
+
+__all__ = ["make_graphed_layers", "release_graphed_layers", "count_replays", "GraphedCall"]

@@ -185,6 +185,13 @@ def test_run_with_graph_layers_trains_and_resumes_like_the_eager_run(corpus, tmp
 
 def _dp2(rank, world, corpus, out):
     losses = [_run(argv(corpus, f"{out}/{graphs}", 1), graphs)["losses"] for graphs in (False, True)]
+    import gdn_layer.graphed                  # --graph-layers on the stand-in capture (tests/graph_standin.py)
+    from graph_standin import Replays
+    gdn_layer.graphed._capture = replays = Replays()
+    args = finetune.parse_args(argv(corpus, f"{out}/layers", 1))
+    args.graph_layers = True
+    losses.append(finetune.run(args)["losses"])
+    assert replays.backwards == len(losses[-1])
     # without torchrun's WORLD_SIZE parse_args cannot see that the default SP size is 2: run refuses it
     args = finetune.parse_args(argv(corpus, f"{out}/sp2", 1))
     args.sp, args.cuda_graphs = None, True
@@ -196,10 +203,12 @@ def _dp2(rank, world, corpus, out):
 
 
 def test_data_parallel_replicas_reduce_the_static_gradients_outside_the_step(corpus, tmp_path):
+    """--cuda-graphs (uncaptured on the CPU) and --graph-layers (stand-in capture) with two gloo DP replicas."""
     with DistributedPool(2) as pool:
         ranks = pool.run(_dp2, corpus, str(tmp_path))
-    for (eager_losses, graph_losses), refused in ranks:
+    for (eager_losses, graph_losses, layer_losses), refused in ranks:
         assert graph_losses == pytest.approx(eager_losses, rel=1e-6, abs=0)
+        assert layer_losses == pytest.approx(eager_losses, rel=1e-6, abs=0)
         assert refused == "--cuda-graphs runs one process per sequence, so not with --sp 2"
     assert ranks[0][0][1] == ranks[1][0][1]            # the replicas agree: the gradients were averaged
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import gdn_layer.graphed as graphed
 from graph_standin import Replays
-from gdn_layer import GatedDeltaNet, GDNState, make_graphed_layers, release_graphed_layers
+from gdn_layer import GatedDeltaNet, GDNState, count_replays, make_graphed_layers, release_graphed_layers
 
 H, T, N_MAX = 32, 24, 6
 PACKS = [[0, 5, 12, 24], [0, 24], [0, 1, 2, 3, 10, 17, 24], [0, 0, 9, 24]]
@@ -80,6 +80,7 @@ def test_replays_equal_eager_over_packings_of_one_capacity(replays):
         for a, b in zip(grads(model), grads(oracle)):
             close(a, b)
         assert (replays.forwards, replays.backwards) == (2 * (i + 1), 2 * (i + 1))
+        assert count_replays(model) == 2 * (i + 1) and count_replays(model.gdn1) == i + 1
 
 
 def test_gradients_accumulate_over_micro_batches_like_eager(replays):
@@ -164,7 +165,7 @@ def test_capture_order_forward_then_reverse_backward_passes_and_abandoned_forwar
 
 
 @pytest.mark.parametrize("case", ["eval", "no_grad", "inference_mode", "other_length", "batch_of_two",
-                                  "too_many_sequences", "float32", "output_state", "state"])
+                                  "too_many_sequences", "float32", "output_state", "state", "autocast"])
 def test_calls_outside_the_capacity_run_eagerly_with_eager_results(replays, case):
     model = fresh_model()
     oracle = copy.deepcopy(model)
@@ -188,7 +189,8 @@ def test_calls_outside_the_capacity_run_eagerly_with_eager_results(replays, case
         release_graphed_layers(model)
         make_graphed_layers(model, T, N_MAX, dtype=torch.float64)
     x = torch.randn(*shape, dtype=dtype)
-    ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode()}.get(case)
+    ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode(),
+           "autocast": torch.autocast("cpu", dtype=torch.bfloat16)}.get(case)
     if case == "eval":
         model.eval()
         oracle.eval()
@@ -199,7 +201,7 @@ def test_calls_outside_the_capacity_run_eagerly_with_eager_results(replays, case
         close(got[1].recurrent_state, want[1].recurrent_state)
         got, want = got[0], want[0]
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-10, atol=1e-6)
-    assert replays.forwards == 0
+    assert replays.forwards == 0 and count_replays(model) == 0
 
 
 def test_bad_packs_of_the_capacity_get_the_eager_errors(replays):
