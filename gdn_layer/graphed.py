@@ -72,6 +72,16 @@ class _Order:
         self.count = 0
 
     def forward(self, index: int) -> int:
+        if torch._C._current_graph_task_id() != -1:
+            # a forward inside a backward pass: activation checkpointing recomputing this layer on the inputs
+            # of its first forward. Without reentrance (torch.utils.checkpoint's use_reentrant=False) the first
+            # forward's backward is still to come and reads what this replay rewrites, the same values: its
+            # token stays valid. Layers captured after this one saved nothing that is still needed: the
+            # backward reaches a recomputed block after those of the layers it runs later, and recomputes
+            # every layer of the block that is followed by an operation still to backward.
+            for i, token in self.open:
+                if i == index:
+                    return token
         # this replay may overwrite what layers captured at or after `index` saved: their backwards are void
         while self.open and self.open[-1][0] >= index:
             self.open.pop()

@@ -1,7 +1,13 @@
 """A stand-in for torch.cuda.make_graphed_callables on the CPU (gdn_layer.graphed._capture): the same calling
 convention and static-buffer semantics (inputs copied into static tensors, the output and the gradients written
 into static buffers and returned as they are, the parameters read live), with the layer run eagerly at each
-"replay". Counts the replays."""
+"replay". Counts the replays.
+
+It also models the one memory pool that the real captures share. The forwards were captured in order 0..N-1,
+then the backwards in order N-1..0, so the activations that forward i saves for its backward (S_i) live in the
+pool from capture fwd_i to capture bwd_i: the temporaries of any capture made outside that span (fwd_k and bwd_k
+with k < i) may lie in S_i's memory. So a replay of fwd_k or bwd_k (k < i) clobbers S_i; fwd_i rewrites it. A
+backward replay of a clobbered S_i returns NaN gradients, as the real replay would return garbage."""
 import torch
 
 
@@ -11,40 +17,54 @@ class Replays:
     def __init__(self):
         self.forwards = 0
         self.backwards = 0
+        self.clobbered: set[int] = set()
 
     def __call__(self, wrappers, samples):
-        return tuple(self._one(w, x0, cu0) for w, (x0, cu0) in zip(wrappers, samples))
+        self.count = len(wrappers)
+        return tuple(self._one(i, w, x0, cu0) for i, (w, (x0, cu0)) in enumerate(zip(wrappers, samples)))
 
-    def _one(self, wrapper, x0, cu0):
+    def _replayed(self, index):
+        """A replay of capture ``index`` (forward or backward) may overwrite S_k for every k > index."""
+        self.clobbered |= set(range(index + 1, self.count))
+
+    def _one(self, index, wrapper, x0, cu0):
         params = tuple(wrapper.parameters())
         static_x = x0.detach().clone().requires_grad_(x0.requires_grad)
         static_cu = cu0.clone()
         live = {}
         buffers = {}
-        counts = self
+        pool = self
 
         class Graphed(torch.autograd.Function):
             @staticmethod
             def forward(ctx, x, cu, *ps):
                 static_x.data.copy_(x)
                 static_cu.copy_(cu)
-                with torch.enable_grad():
+                # the layer's own autograd graph stands for the replay's memory: its saved tensors are no
+                # business of saved-tensor hooks around the call (activation checkpointing's), as a real
+                # replay saves none through autograd
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                     y = wrapper(static_x, static_cu)
                 live["y"] = y
                 out = buffers.setdefault("y", torch.empty_like(y))
                 out.copy_(y.detach())
-                counts.forwards += 1
+                pool.forwards += 1
+                pool._replayed(index)
+                pool.clobbered.discard(index)
                 return out.detach()
 
             @staticmethod
             def backward(ctx, grad):
                 inputs = (static_x,) + tuple(p for p in params if p.requires_grad)
-                grads = torch.autograd.grad(live["y"], inputs, grad)
+                grads = torch.autograd.grad(live["y"], inputs, grad, retain_graph=True)
+                if index in pool.clobbered:
+                    grads = tuple(torch.full_like(g, float("nan")) for g in grads)
                 static = buffers.setdefault("grads", [torch.empty_like(g) for g in grads])
                 for s, g in zip(static, grads):
                     s.copy_(g)
                 it = iter(static[1:])
-                counts.backwards += 1
+                pool.backwards += 1
+                pool._replayed(index)
                 return (static[0].detach(), None) + tuple(next(it).detach() if p.requires_grad else None
                                                           for p in params)
 

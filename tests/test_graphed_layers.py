@@ -164,6 +164,46 @@ def test_capture_order_forward_then_reverse_backward_passes_and_abandoned_forwar
         close(a, b)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("block", ["gdn0", "gdn0_mid_gdn1", "mid_gdn0_gdn1"])
+def test_activation_checkpointing_recomputes_graphed_layers_like_eager(replays, reentrant, block):
+    """torch.utils.checkpoint around graphed layers. Non-reentrant: the first forward replays and its backward
+    comes after the recompute replayed the layer again on the same inputs (a forward inside a backward pass
+    keeps its token). Reentrant: the first forward runs under no_grad (eagerly), the recompute replays. The
+    stand-in clobbers the activations a replay may overwrite in the shared pool: wrong order shows as NaN."""
+    from torch.utils.checkpoint import checkpoint
+    model = fresh_model()
+    oracle = copy.deepcopy(model)
+    make_graphed_layers(model, T, N_MAX)
+    cu = torch.tensor(PACKS[2])
+
+    def run(m, x):
+        def f(h):
+            if block == "gdn0":
+                return (h + m.gdn0(h, cu_seqlens=cu)).tanh()
+            if block == "gdn0_mid_gdn1":
+                h = m.mid(h + m.gdn0(h, cu_seqlens=cu)).tanh()
+                return h + m.gdn1(h, cu_seqlens=cu)
+            h = m.gdn0(m.mid(h).tanh(), cu_seqlens=cu)
+            return m.gdn1(h, cu_seqlens=cu)       # graphed layers last: early stop may skip their recompute
+        y = checkpoint(f, x, use_reentrant=reentrant)
+        if block == "gdn0":
+            y = y + m.gdn1(y, cu_seqlens=cu)
+        return (y.square() * torch.arange(T, dtype=y.dtype)[:, None]).sum()
+
+    for step in range(2):
+        x = torch.randn(1, T, H, dtype=torch.float64)
+        got = []
+        for m in (model, oracle):
+            m.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            run(m, xi).backward()
+            got.append([xi.grad] + [p.grad for p in m.parameters()])
+        for a, b in zip(*got):
+            close(a, b)
+    assert replays.backwards == 4
+
+
 @pytest.mark.parametrize("case", ["eval", "no_grad", "inference_mode", "other_length", "batch_of_two",
                                   "too_many_sequences", "float32", "output_state", "state", "autocast"])
 def test_calls_outside_the_capacity_run_eagerly_with_eager_results(replays, case):
