@@ -29,7 +29,7 @@ inference mode, another shape or dtype of ``hidden_states``, more than ``max_num
 """
 from __future__ import annotations
 
-import math
+import numbers
 
 import torch
 from torch import nn
@@ -116,17 +116,24 @@ class _InputCopy(torch.autograd.Function):
 
 
 class _OutputCopy(torch.autograd.Function):
-    """A copy of the static output buffer; the backward first checks that the forward's state is intact."""
+    """A copy of the static output buffer; the backward first checks that the forward's state is intact and
+    that no parameter was changed in place since the forward (the replayed backward reads the live weights)."""
 
     @staticmethod
-    def forward(ctx, y, order, index, token):
+    def forward(ctx, y, order, index, token, params):
         ctx.order, ctx.index, ctx.token = order, index, token
+        ctx.params, ctx.versions = params, [p._version for p in params]
         return y.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        if [p._version for p in ctx.params] != ctx.versions:
+            raise RuntimeError(
+                f"graphed GatedDeltaNet (capture index {ctx.index}): a parameter was modified in place between "
+                "this forward and its backward (an optimizer step?); the backward would mix the new weights "
+                "with the old activations. Step the optimizer after the backward.")
         ctx.order.backward(ctx.index, ctx.token)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def _none():
@@ -139,7 +146,7 @@ class GraphedCall:
     def __init__(self, graphed, order: _Order, index: int, params: list, tokens: int, max_num_seqs: int,
                  hidden: int, dtype: torch.dtype, device: torch.device, whole: torch.Tensor):
         self.graphed, self.order, self.index = graphed, order, index
-        self.params = params
+        self.params = params          # the objects the graphs' autograd Function takes (and their memory)
         self.signature = [(p.data_ptr(), p.requires_grad) for p in params]
         self.shape = torch.Size((1, tokens, hidden))
         self.tokens, self.max_num_seqs, self.dtype, self.device = tokens, max_num_seqs, dtype, device
@@ -149,7 +156,7 @@ class GraphedCall:
 
     def applies(self, layer, x, cu, state, output_state, token_order) -> bool:
         """Whether this call is one of the capacity (else the layer runs eagerly)."""
-        return (layer.training and torch.is_grad_enabled() and state is None and not output_state
+        return (layer.training and torch.is_grad_enabled() and state is None and output_state is False
                 and token_order is None and isinstance(x, torch.Tensor) and x.shape == self.shape
                 and x.dtype == self.dtype and x.device == self.device
                 and (cu is None or (isinstance(cu, torch.Tensor) and cu.dim() == 1
@@ -159,7 +166,9 @@ class GraphedCall:
                 and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
     def __call__(self, layer, x, cu):
-        if [(p.data_ptr(), p.requires_grad) for p in layer.parameters()] != self.signature:
+        now = list(layer.parameters())
+        if (len(now) != len(self.params) or any(p is not q for p, q in zip(now, self.params))
+                or [(p.data_ptr(), p.requires_grad) for p in now] != self.signature):
             raise RuntimeError(
                 "graphed GatedDeltaNet: a parameter was replaced, moved or had requires_grad changed since "
                 "gdn_layer.make_graphed_layers captured it (the graphs read the old memory): call "
@@ -168,7 +177,7 @@ class GraphedCall:
         token = self.order.forward(self.index)
         self.replays += 1
         y = self.graphed(_InputCopy.apply(x), cu)
-        return _OutputCopy.apply(y, self.order, self.index, token)
+        return _OutputCopy.apply(y, self.order, self.index, token, self.params)
 
     def release(self) -> None:
         for h in self.hooks:
@@ -184,11 +193,10 @@ class GraphedCall:
 
 
 def _own_grad(p: torch.Tensor):
-    """A gradient about to become ``p.grad`` (``p.grad`` is None, so autograd would keep the tensor it gets,
-    possibly a static buffer of the graph) is copied first; an accumulation into an existing ``.grad`` reads
-    the buffer before the next replay and needs no copy."""
+    """Every gradient of ``p`` is copied: the replayed backward hands on a static buffer, which autograd would
+    keep as ``p.grad`` (when it is None) or return from ``torch.autograd.grad``, and the next replay overwrites."""
     def hook(grad):
-        return grad.clone() if p.grad is None else None
+        return grad.clone()
     return hook
 
 
@@ -199,20 +207,20 @@ def _layers_of(module: nn.Module) -> list:
     return [m for m in module.modules() if isinstance(m, GatedDeltaNet)]
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
 
 
-def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int,
-                        dtype: torch.dtype | None = None) -> list:
+def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int) -> list:
     """Capture every ``GatedDeltaNet`` in ``module`` (forward and backward) in CUDA graphs at one capacity.
 
     After this, a training-mode call ``layer(hidden_states, cu_seqlens=cu)`` with grad enabled, ``hidden_states``
-    ``[1, tokens, hidden]`` of ``dtype`` on the layers' GPU and ``cu`` ``[N + 1]`` int32/int64 with
-    ``N <= max_num_seqs`` (or None: one sequence) replays the layer's captured forward, and its backward replays
+    ``[1, tokens, hidden]`` in the dtype of the layer's ``out_proj.weight`` on the layers' GPU and ``cu``
+    ``[N + 1]`` int32/int64 with ``N <= max_num_seqs`` (or None: one sequence) replays the layer's captured forward, and its backward replays
     the captured backward: no host read of ``cu``, a few kernel launches instead of the layer's tens. Results
     equal eager calls up to the kernels' rounding (the same kernels run). Other calls run eagerly (module
     docstring). Layers must run forward in the order of ``module.modules()`` and backward in reverse, as one
@@ -222,7 +230,9 @@ def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int,
     are not compiled yet (the capture warms up too: 3 forward+backward calls per layer), after setting which
     parameters require grad, and before building the optimizer is fine (parameters keep their memory).
     Replacing a parameter afterwards (``.to()``, ``load_state_dict(assign=True)``, FSDP resharding, accelerate
-    offload) makes the next replay raise; ``load_state_dict`` (copying in place) and optimizer steps are fine.
+    offload) makes the next replay raise; ``load_state_dict`` (copying in place) and optimizer steps are fine,
+    between a backward and the next forward (a parameter changed in place between a forward and its backward
+    makes that backward raise, as autograd's version check does in eager mode).
     Forward hooks on the layer's submodules run once, at capture. Calling it again re-captures (e.g. for another
     capacity); ``release_graphed_layers`` returns the layers to eager mode.
 
@@ -234,23 +244,23 @@ def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int,
             refused (their all-to-alls and state passing are not captured).
         tokens: ``T``, the packed length of every replayed call.
         max_num_seqs: ``N_max``, the most sequences (documents) a replayed pack may hold.
-        dtype: the dtype of ``hidden_states``; default the dtype of the layer's output projection weight.
 
     Returns:
         The graphed layers, in capture order.
 
     Raises:
-        TypeError / ValueError: a bad argument, no GatedDeltaNet in ``module``, layers not on one CUDA device,
-            or a layer under SP / CP; raised before anything is captured.
+        TypeError / ValueError: a bad argument (``max_num_seqs > tokens`` too), no GatedDeltaNet in ``module``,
+            layers not on one CUDA device, or a layer under SP / CP; raised before anything is captured.
 
     Source: ``torch.cuda.make_graphed_callables`` (PyTorch's per-callable capture); the copies around it follow
     PyTorch issue #181723.
     """
     layers = _layers_of(module)
-    _check_positive_int("tokens", tokens)
-    _check_positive_int("max_num_seqs", max_num_seqs)
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+    tokens = _check_positive_int("tokens", tokens)
+    max_num_seqs = _check_positive_int("max_num_seqs", max_num_seqs)
+    if max_num_seqs > tokens:
+        raise ValueError(f"max_num_seqs must be at most tokens ({tokens}): a pack of {tokens} tokens holds at most "
+                         f"{tokens} non-empty sequences, got {max_num_seqs}")
     if not layers:
         raise ValueError(f"module holds no GatedDeltaNet layer ({type(module).__name__})")
     for i, layer in enumerate(layers):
@@ -265,14 +275,11 @@ def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int,
     release_graphed_layers(module)
 
     wrappers = tuple(_Positional(layer) for layer in layers)
-    step = max(1, math.ceil(tokens / max_num_seqs))
-    bounds = [min(i * step, tokens) for i in range(max_num_seqs)] + [tokens]
-    cu0 = torch.tensor(bounds, dtype=torch.int32, device=device)   # N_max segments (the last ones may be empty)
-    samples = []
-    for layer in layers:
-        x_dtype = dtype or layer.out_proj.weight.dtype
-        samples.append((torch.randn(1, tokens, layer.hidden_size, device=device, dtype=x_dtype, requires_grad=True),
-                        cu0.clone()))
+    # N_max segments of about equal length
+    cu0 = torch.div(torch.arange(max_num_seqs + 1, device=device) * tokens, max_num_seqs,
+                    rounding_mode="floor").to(torch.int32)
+    samples = [(torch.randn(1, tokens, layer.hidden_size, device=device, dtype=layer.out_proj.weight.dtype,
+                            requires_grad=True), cu0.clone()) for layer in layers]
     graphed = _capture(wrappers, tuple(samples))
     order = _Order()
     whole = pad_cu_seqlens(torch.tensor([0, tokens], dtype=torch.int32, device=device), max_num_seqs)

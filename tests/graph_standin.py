@@ -54,6 +54,7 @@ class Replays:
                 return out.detach()
 
             @staticmethod
+            @torch.autograd.function.once_differentiable
             def backward(ctx, grad):
                 inputs = (static_x,) + tuple(p for p in params if p.requires_grad)
                 grads = torch.autograd.grad(live["y"], inputs, grad, retain_graph=True)

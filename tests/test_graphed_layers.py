@@ -103,6 +103,27 @@ def test_gradients_accumulate_over_micro_batches_like_eager(replays):
     assert replays.backwards == 12
 
 
+def test_autograd_grad_over_parameters_returns_gradients_the_next_replay_leaves_alone(replays):
+    """torch.autograd.grad hands back what the parameters' hooks return: with .grad already set (so no
+    accumulation would copy it) the static buffer itself, unless the hook copies."""
+    model = fresh_model()
+    oracle = copy.deepcopy(model)
+    make_graphed_layers(model, T, N_MAX)
+    for m in (model, oracle):
+        m.zero_grad(set_to_none=False)
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    kept = {}
+    for m in (model, oracle):
+        kept[m] = []
+        for cu in PACKS[:2]:
+            x = torch.randn(1, T, H, dtype=torch.float64, generator=torch.Generator().manual_seed(len(cu)))
+            kept[m].append(torch.autograd.grad(m(x, torch.tensor(cu)).square().sum(), list(m.gdn0.parameters())))
+    for got, want in zip(kept[model], kept[oracle]):
+        for a, b in zip(got, want):
+            close(a, b)
+
+
 def test_a_leaf_input_accumulates_its_gradient_like_eager(replays):
     model = fresh_model()
     oracle = copy.deepcopy(model)
@@ -223,11 +244,11 @@ def test_calls_outside_the_capacity_run_eagerly_with_eager_results(replays, case
         kw = {"state": GDNState(torch.randn(3, 64, 3, dtype=torch.float64),
                                 torch.randn(3, 4, 8, 8, dtype=torch.float64))}
     dtype = torch.float32 if case == "float32" else torch.float64
-    if case == "float32":
-        model.float()
-        oracle.float()
-        release_graphed_layers(model)
-        make_graphed_layers(model, T, N_MAX, dtype=torch.float64)
+    if case == "float32":      # the layers were captured in float64: a float32 model runs them eagerly
+        for m in (model, oracle):
+            for layer in (m.gdn0, m.gdn1):
+                layer.float()
+            m.mid.float()
     x = torch.randn(*shape, dtype=dtype)
     ctx = {"no_grad": torch.no_grad(), "inference_mode": torch.inference_mode(),
            "autocast": torch.autocast("cpu", dtype=torch.bfloat16)}.get(case)
@@ -252,6 +273,8 @@ def test_bad_packs_of_the_capacity_get_the_eager_errors(replays):
         model.gdn0(x, cu_seqlens=torch.tensor([0, 5, T - 1]))
     with pytest.raises(ValueError, match="cu_seqlens must have dtype int32 or int64"):
         model.gdn0(x, cu_seqlens=torch.tensor([0.0, 5.0, T]))
+    with pytest.raises(TypeError, match="output_state must be a bool"):
+        model.gdn0(x, cu_seqlens=torch.tensor(PACKS[0]), output_state=0)
     assert replays.forwards == 0
 
 
@@ -267,11 +290,30 @@ def test_replaced_parameters_raise_and_in_place_loads_replay_the_new_values(repl
     model.load_state_dict(oracle.state_dict(), assign=True)   # new tensors: the graphs would read the old ones
     with pytest.raises(RuntimeError, match="make_graphed_layers again"):
         model(x, cu)
-    model.gdn0.A_log.requires_grad_(False)
     make_graphed_layers(model, T, N_MAX)                      # re-capture: fine again
+    model.gdn1.dt_bias = nn.Parameter(model.gdn1.dt_bias.data)  # a new object over the same memory
+    with pytest.raises(RuntimeError, match="make_graphed_layers again"):
+        model(x, cu)
+    model.gdn0.A_log.requires_grad_(False)
+    make_graphed_layers(model, T, N_MAX)
     model.gdn0.A_log.requires_grad_(True)
     with pytest.raises(RuntimeError, match="requires_grad changed"):
         model(x, cu)
+
+
+def test_a_parameter_changed_between_a_forward_and_its_backward_raises(replays):
+    """Eager autograd refuses it (version counter); the replayed backward would read the new weights against
+    the old activations. Stepping between a backward and the next forward is fine."""
+    model = fresh_model()
+    make_graphed_layers(model, T, N_MAX)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, cu = torch.randn(1, T, H, dtype=torch.float64), torch.tensor(PACKS[0])
+    model(x, cu).square().sum().backward()
+    opt.step()
+    loss = model(x, cu).square().sum()
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified in place between this forward and its backward"):
+        loss.backward()
 
 
 def test_copies_and_pickles_of_a_graphed_model_are_eager_and_release_restores_eager(replays):
@@ -300,8 +342,10 @@ def test_bad_arguments_are_refused_before_any_capture(replays):
         make_graphed_layers(model, 24.0, N_MAX)
     with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
         make_graphed_layers(model, T, 0)
-    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
-        make_graphed_layers(model, T, N_MAX, dtype="bfloat16")
+    with pytest.raises(ValueError, match="max_num_seqs must be at most tokens \\(24\\)"):
+        make_graphed_layers(model, T, 10**9)
+    with pytest.raises(TypeError, match="tokens must be an int, got bool"):
+        make_graphed_layers(model, True, N_MAX)
     with pytest.raises(ValueError, match="no GatedDeltaNet"):
         make_graphed_layers(nn.Linear(2, 2), T, N_MAX)
     model.gdn1.sp_size = 2
