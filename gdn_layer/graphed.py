@@ -17,11 +17,11 @@ Around it this module adds what that API leaves to the caller, each of which wou
   micro-batches (or ``zero_grad(set_to_none=False)``) gives wrong sums (PyTorch issue #181723). Here the input's
   gradient is a copy, and each parameter's gradient is copied when it would become the parameter's ``.grad``.
 - **The output is the caller's.** The replay writes a static buffer; the layer returns a copy of it.
-- **Order.** The captures share one memory pool, so a replay is only valid in the order of the captures: a
-  forward may overwrite what an earlier forward of the same layer, or of a later-captured layer, saved for its
-  backward. Each forward's saved state gets a token; a backward whose state may have been overwritten since
-  raises ``RuntimeError`` instead of returning wrong gradients. Layers run forward in capture order and
-  backward in reverse (what one forward and backward of a model does) always pass.
+- **Order.** The captures share one memory pool, so a replay may overwrite what an earlier forward of the
+  same layer, or of a later-captured layer, saved for its backward (``_Order`` models which). A backward whose
+  activations may have been overwritten raises ``RuntimeError`` instead of returning wrong gradients. Layers
+  that run forward in capture order and backward in reverse (one forward and backward of a model) always pass,
+  also under activation checkpointing of either kind.
 
 Calls outside the capacity run the layer's eager forward, with the same results: eval mode, no grad or
 inference mode, another shape or dtype of ``hidden_states``, more than ``max_num_seqs`` sequences, a ``state``,
@@ -65,42 +65,37 @@ class _Positional(nn.Module):
 
 
 class _Order:
-    """Which forwards' saved states are still intact in the shared pool (a stack by capture index)."""
+    """Which forward replay's saved activations each capture's memory holds intact, modelling the shared pool.
+
+    The forwards were captured in order 0..N-1 and the backwards in order N-1..0, so what forward k saves for
+    its backward lies in memory that the temporaries of every capture outside the span fwd_k..bwd_k may use:
+    those of the layers captured before k. A replay of capture k (forward or backward) therefore overwrites
+    what the layers captured after k saved; a backward replay also frees what its own forward saved (the
+    backward capture released it as it went). A backward checks that its forward's replay is the one whose
+    activations are still there."""
 
     def __init__(self):
-        self.open: list[tuple[int, int]] = []   # (capture index, token), indices increasing
+        self.valid: dict[int, int] = {}   # capture index -> id of the forward replay whose activations are intact
         self.count = 0
 
+    def _overwrite_after(self, index: int) -> None:
+        self.valid = {i: r for i, r in self.valid.items() if i <= index}
+
     def forward(self, index: int) -> int:
-        if torch._C._current_graph_task_id() != -1:
-            # a forward inside a backward pass: activation checkpointing recomputing this layer on the inputs
-            # of its first forward. Without reentrance (torch.utils.checkpoint's use_reentrant=False) the first
-            # forward's backward is still to come and reads what this replay rewrites, the same values: its
-            # token stays valid. Layers captured after this one saved nothing that is still needed: the
-            # backward reaches a recomputed block after those of the layers it runs later, and recomputes
-            # every layer of the block that is followed by an operation still to backward.
-            for i, token in self.open:
-                if i == index:
-                    return token
-        # this replay may overwrite what layers captured at or after `index` saved: their backwards are void
-        while self.open and self.open[-1][0] >= index:
-            self.open.pop()
         self.count += 1
-        self.open.append((index, self.count))
+        self._overwrite_after(index)
+        self.valid[index] = self.count
         return self.count
 
-    def backward(self, index: int, token: int) -> None:
-        if (index, token) not in self.open:
+    def backward(self, index: int, replay: int) -> None:
+        if self.valid.get(index) != replay:
             raise RuntimeError(
                 f"graphed GatedDeltaNet (capture index {index}): the activations this backward needs were "
-                "overwritten by a later forward replay (of this layer, or of one captured before it), or this "
-                "forward's backward already ran. With gdn_layer.make_graphed_layers, run each forward's backward "
-                "before its layer runs forward again, and the layers forward in capture order (docs/layer.md, "
-                "'CUDA graphs per layer').")
-        # the backward replay may overwrite what layers captured after `index` saved: their backwards are void
-        while self.open[-1] != (index, token):
-            self.open.pop()
-        self.open.pop()
+                "overwritten by a later replay (a forward of this layer or of one captured before it, or a "
+                "backward of one captured before it), or this forward's backward already ran. With "
+                "gdn_layer.make_graphed_layers, run each forward's backward before its layer runs forward again, "
+                "and the layers forward in capture order (docs/layer.md, 'CUDA graphs per layer').")
+        self._overwrite_after(index - 1)
 
 
 class _InputCopy(torch.autograd.Function):
@@ -120,9 +115,12 @@ class _OutputCopy(torch.autograd.Function):
     that no parameter was changed in place since the forward (the replayed backward reads the live weights)."""
 
     @staticmethod
-    def forward(ctx, y, order, index, token, params):
-        ctx.order, ctx.index, ctx.token = order, index, token
+    def forward(ctx, y, order, index, replay, params):
+        ctx.order, ctx.index = order, index
         ctx.params, ctx.versions = params, [p._version for p in params]
+        # the replay's id is saved like an activation: non-reentrant activation checkpointing recomputes it
+        # with the layer and hands this node the id of the recompute, the replay whose activations it reads
+        ctx.save_for_backward(torch.tensor(replay))
         return y.clone()
 
     @staticmethod
@@ -132,7 +130,8 @@ class _OutputCopy(torch.autograd.Function):
                 f"graphed GatedDeltaNet (capture index {ctx.index}): a parameter was modified in place between "
                 "this forward and its backward (an optimizer step?); the backward would mix the new weights "
                 "with the old activations. Step the optimizer after the backward.")
-        ctx.order.backward(ctx.index, ctx.token)
+        replay, = ctx.saved_tensors
+        ctx.order.backward(ctx.index, int(replay))     # a CPU tensor: no device sync
         return grad, None, None, None, None
 
 
@@ -174,10 +173,10 @@ class GraphedCall:
                 "gdn_layer.make_graphed_layers captured it (the graphs read the old memory): call "
                 "make_graphed_layers again, or release_graphed_layers to run eagerly.")
         cu = self.whole if cu is None else pad_cu_seqlens(check_local(layer, x, cu, None, False), self.max_num_seqs)
-        token = self.order.forward(self.index)
+        replay = self.order.forward(self.index)
         self.replays += 1
         y = self.graphed(_InputCopy.apply(x), cu)
-        return _OutputCopy.apply(y, self.order, self.index, token, self.params)
+        return _OutputCopy.apply(y, self.order, self.index, replay, self.params)
 
     def release(self) -> None:
         for h in self.hooks:
@@ -250,7 +249,8 @@ def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int) -> li
 
     Raises:
         TypeError / ValueError: a bad argument (``max_num_seqs > tokens`` too), no GatedDeltaNet in ``module``,
-            layers not on one CUDA device, or a layer under SP / CP; raised before anything is captured.
+            layers not on one CUDA device, a parameter with a gradient hook (register it after the capture), or
+            a layer under SP / CP; raised before anything is captured.
 
     Source: ``torch.cuda.make_graphed_callables`` (PyTorch's per-callable capture); the copies around it follow
     PyTorch issue #181723.
@@ -273,6 +273,12 @@ def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int) -> li
                          f"CUDA device, got {sorted(str(d) for d in devices)}")
     device = next(iter(devices))
     release_graphed_layers(module)
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if p._backward_hooks:
+                raise ValueError(f"layer {i} of module: parameter {name} has a gradient hook (Tensor.register_hook): "
+                                 "the capture would bake it into the backward graph and it would run again at every "
+                                 "replay; register parameter hooks after make_graphed_layers")
 
     wrappers = tuple(_Positional(layer) for layer in layers)
     # N_max segments of about equal length

@@ -156,7 +156,7 @@ def test_a_backward_whose_activations_were_overwritten_raises(replays):
     x = torch.randn(1, T, H, dtype=torch.float64, requires_grad=True)
     first = model.gdn0(x, cu_seqlens=cu).sum()
     model.gdn0(x, cu_seqlens=cu).sum().backward()          # the second forward's backward: fine
-    with pytest.raises(RuntimeError, match="overwritten by a later forward replay"):
+    with pytest.raises(RuntimeError, match="overwritten by a later replay"):
         first.backward()
     # a layer captured before it runs forward while gdn1 waits for its backward
     h = model.gdn1(x, cu_seqlens=cu).sum()
@@ -223,6 +223,59 @@ def test_activation_checkpointing_recomputes_graphed_layers_like_eager(replays, 
         for a, b in zip(*got):
             close(a, b)
     assert replays.backwards == 4
+
+
+def _weights():
+    return torch.arange(T, dtype=torch.float64)[:, None]
+
+
+@pytest.mark.parametrize("case", ["two_losses", "shared_layer", "hook_calls_layer"])
+def test_replays_that_overwrite_pending_activations_make_the_backward_raise(replays, case):
+    """Sequences where a later replay overwrites activations a pending backward needs (the stand-in would
+    return NaN or another forward's gradients): each raises instead. two_losses: a first backward that
+    recomputes a checkpointed block holding gdn0 overwrites what gdn1 saved, whose backward comes in a second
+    call. shared_layer: gdn0 runs twice, the first time checkpointed; recomputing the first forward overwrites
+    the second's activations. hook_calls_layer: a backward hook runs gdn0 with grad enabled (a new replay)
+    before gdn0's pending backward."""
+    from torch.utils.checkpoint import checkpoint
+    model = fresh_model()
+    make_graphed_layers(model, T, N_MAX)
+    cu = torch.tensor(PACKS[0])
+    x = torch.randn(1, T, H, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="overwritten by a later replay"):
+        if case == "two_losses":
+            h, s = checkpoint(lambda x: (model.gdn0(x, cu_seqlens=cu), x.sin()), x, use_reentrant=False)
+            y = model.gdn1(h, cu_seqlens=cu)
+            s.square().sum().backward(retain_graph=True)
+            (y * _weights()).sum().backward()
+        elif case == "shared_layer":
+            kept = {}
+
+            def block(x):
+                kept["h"] = model.gdn0(x, cu_seqlens=cu)
+                return kept["h"].tanh()
+            a = checkpoint(block, x, use_reentrant=False)
+            a2 = a.detach().requires_grad_()
+            b = model.gdn0(a2, cu_seqlens=cu)
+            torch.autograd.grad(a.square().sum(), [kept["h"]])   # recomputes the first forward of gdn0
+            torch.autograd.grad(b.square().sum(), [a2])
+        else:
+            side = torch.randn(1, T, H, dtype=torch.float64)
+
+            def hook(module, grad_in, grad_out):
+                with torch.enable_grad():
+                    model.gdn0(side, cu_seqlens=cu)
+            model.mid.register_full_backward_hook(hook)
+            (model(x, cu) * _weights()).sum().backward()
+
+
+def test_a_parameter_hook_registered_before_the_capture_is_refused(replays):
+    """The capture's backward runs the parameter's hooks once, baked in, and autograd again at every call."""
+    model = fresh_model()
+    model.gdn1.out_proj.weight.register_hook(lambda g: 0.5 * g)
+    with pytest.raises(ValueError, match="layer 1 of module: parameter out_proj.weight has a gradient hook"):
+        make_graphed_layers(model, T, N_MAX)
+    assert replays.forwards == 0
 
 
 @pytest.mark.parametrize("case", ["eval", "no_grad", "inference_mode", "other_length", "batch_of_two",
