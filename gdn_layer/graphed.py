@@ -14,14 +14,17 @@ Around it this module adds what that API leaves to the caller, each of which wou
 
 - **Gradients are the caller's.** ``make_graphed_callables`` returns its static gradient buffers; autograd may
   keep such a buffer as a leaf's ``.grad``, and the next replay then overwrites it, so gradient accumulation over
-  micro-batches (or ``zero_grad(set_to_none=False)``) gives wrong sums (PyTorch issue #181723). Here the input's
-  gradient is a copy, and each parameter's gradient is copied when it would become the parameter's ``.grad``.
+  micro-batches (or ``zero_grad(set_to_none=False)``) gives wrong sums (PyTorch issue #181723), and
+  ``torch.autograd.grad`` returns the buffers themselves. Here the input's gradient and every parameter gradient
+  are copies.
 - **The output is the caller's.** The replay writes a static buffer; the layer returns a copy of it.
 - **Order.** The captures share one memory pool, so a replay may overwrite what an earlier forward of the
   same layer, or of a later-captured layer, saved for its backward (``_Order`` models which). A backward whose
   activations may have been overwritten raises ``RuntimeError`` instead of returning wrong gradients. Layers
   that run forward in capture order and backward in reverse (one forward and backward of a model) always pass,
   also under activation checkpointing of either kind.
+- **Parameters.** The graphs read the captured parameters' memory: a parameter replaced since the capture, or
+  changed in place between a forward and its backward, makes the call or the backward raise.
 
 Calls outside the capacity run the layer's eager forward, with the same results: eval mode, no grad or
 inference mode, another shape or dtype of ``hidden_states``, more than ``max_num_seqs`` sequences, a ``state``,
@@ -150,7 +153,7 @@ class GraphedCall:
         self.shape = torch.Size((1, tokens, hidden))
         self.tokens, self.max_num_seqs, self.dtype, self.device = tokens, max_num_seqs, dtype, device
         self.whole = whole            # [0, T, T, ...]: the padded cu_seqlens of one sequence (cu_seqlens=None)
-        self.hooks = [p.register_hook(_own_grad(p)) for p in params if p.requires_grad]
+        self.hooks = [p.register_hook(_copy_grad) for p in params if p.requires_grad]
         self.replays = 0              # forward replays since the capture (count_replays)
 
     def applies(self, layer, x, cu, state, output_state, token_order) -> bool:
@@ -191,12 +194,10 @@ class GraphedCall:
         return (_none, ())
 
 
-def _own_grad(p: torch.Tensor):
-    """Every gradient of ``p`` is copied: the replayed backward hands on a static buffer, which autograd would
-    keep as ``p.grad`` (when it is None) or return from ``torch.autograd.grad``, and the next replay overwrites."""
-    def hook(grad):
-        return grad.clone()
-    return hook
+def _copy_grad(grad: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient hook: the replayed backward hands on a static buffer, which autograd would keep as
+    ``.grad`` (when it is None) or return from ``torch.autograd.grad``, and which the next replay overwrites."""
+    return grad.clone()
 
 
 def _layers_of(module: nn.Module) -> list:
