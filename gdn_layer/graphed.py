@@ -59,12 +59,9 @@ class _Positional(nn.Module):
 
     def forward(self, x, cu):
         from gdn_layer.layer import GatedDeltaNet
-        entry = self.layer.__dict__.pop("_graphed", None)   # the eager layer, even if it is graphed already
-        try:
-            return GatedDeltaNet.forward(self.layer, x, cu_seqlens=cu)   # the base class's: also for subclasses
-        finally:
-            if entry is not None:
-                self.layer._graphed = entry
+        # the base class's forward, also for subclasses (the transformers adapter's takes other arguments); it
+        # runs only during the capture, before the layer is marked graphed, so it is the eager layer
+        return GatedDeltaNet.forward(self.layer, x, cu_seqlens=cu)
 
 
 class _Order:
@@ -145,13 +142,13 @@ def _none():
 class GraphedCall:
     """One layer's captured forward/backward and its capacity (``layer._graphed``; ``make_graphed_layers``)."""
 
-    def __init__(self, graphed, order: _Order, index: int, params: list, tokens: int, max_num_seqs: int,
-                 hidden: int, dtype: torch.dtype, device: torch.device, whole: torch.Tensor):
+    def __init__(self, graphed, order: _Order, index: int, params: list, sample: torch.Tensor, max_num_seqs: int,
+                 whole: torch.Tensor):
         self.graphed, self.order, self.index = graphed, order, index
         self.params = params          # the objects the graphs' autograd Function takes (and their memory)
         self.signature = [(p.data_ptr(), p.requires_grad) for p in params]
-        self.shape = torch.Size((1, tokens, hidden))
-        self.tokens, self.max_num_seqs, self.dtype, self.device = tokens, max_num_seqs, dtype, device
+        self.shape, self.dtype, self.device = sample.shape, sample.dtype, sample.device   # hidden_states captured
+        self.max_num_seqs = max_num_seqs
         self.whole = whole            # [0, T, T, ...]: the padded cu_seqlens of one sequence (cu_seqlens=None)
         self.hooks = [p.register_hook(_copy_grad) for p in params if p.requires_grad]
         self.replays = 0              # forward replays since the capture (count_replays)
@@ -291,8 +288,7 @@ def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int) -> li
     order = _Order()
     whole = pad_cu_seqlens(torch.tensor([0, tokens], dtype=torch.int32, device=device), max_num_seqs)
     for i, (layer, g, (x, _)) in enumerate(zip(layers, graphed, samples)):
-        layer._graphed = GraphedCall(g, order, i, list(layer.parameters()), tokens, max_num_seqs,
-                                     layer.hidden_size, x.dtype, device, whole)
+        layer._graphed = GraphedCall(g, order, i, list(layer.parameters()), x, max_num_seqs, whole)
     return layers
 
 

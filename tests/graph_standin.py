@@ -49,8 +49,14 @@ class Replays:
                 # business of saved-tensor hooks around the call (activation checkpointing's), as a real
                 # replay saves none through autograd
                 aliases = [p.detach().requires_grad_(p.requires_grad) for p in params]
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                    y = torch.func.functional_call(wrapper, dict(zip(names, aliases)), (static_x, static_cu))
+                # (a real replay runs captured kernels: the layer, graphed by now, is run as the eager layer)
+                entry = wrapper.layer.__dict__.pop("_graphed", None)
+                try:
+                    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                        y = torch.func.functional_call(wrapper, dict(zip(names, aliases)), (static_x, static_cu))
+                finally:
+                    if entry is not None:
+                        wrapper.layer._graphed = entry
                 live["y"], live["params"] = y, aliases
                 out = buffers.setdefault("y", torch.empty_like(y))
                 out.copy_(y.detach())
