@@ -85,16 +85,54 @@ def _tap(x, init, x_base, init_base, r, c, valid, near, stride_xt, stride_xc, st
 
 
 @triton.jit
-def _preact(x, init, w, bias, x_base, init_base, r, c, valid, near, cmask,
+def _w_tap(w, c, cmask, stride_wc, stride_ww, i: tl.constexpr, W: tl.constexpr, ACC: tl.constexpr):
+    """Tap i's weight (``weight[c, W-1-i]``, the input i tokens back) of channels c, in ACC; 0 for i >= W.
+
+    The kernels load taps 0-3 once per program, before their tile loop (``_w4``): ``weight``
+    is ``[C, W]``, so a tap's channels are W elements apart and each is a 2-byte load, which per tile
+    would be more load instructions than the tile's own data."""
+    if i < W:
+        v = tl.load(w + c * stride_wc + (W - 1 - i) * stride_ww, mask=cmask, other=0.0).to(ACC)
+    else:
+        v = tl.zeros(c.shape, ACC)
+    return v
+
+
+@triton.jit
+def _w4(w, c, cmask, stride_wc, stride_ww, W: tl.constexpr, ACC: tl.constexpr):
+    """Taps 0-3's weights of channels c (``_w_tap``), loaded once per program."""
+    return (_w_tap(w, c, cmask, stride_wc, stride_ww, 0, W, ACC), _w_tap(w, c, cmask, stride_wc, stride_ww, 1, W, ACC),
+            _w_tap(w, c, cmask, stride_wc, stride_ww, 2, W, ACC), _w_tap(w, c, cmask, stride_wc, stride_ww, 3, W, ACC))
+
+
+@triton.jit
+def _w_at(w0, w1, w2, w3, w, c, cmask, stride_wc, stride_ww, i: tl.constexpr, W: tl.constexpr, ACC: tl.constexpr):
+    """Tap i's weight: the preloaded ``w0``-``w3`` for i < 4 (``_w4``), loaded here past them (W > 4).
+    (Four arguments, not a tuple: triton-ascend's frontend indexes no tuples.)"""
+    if i == 0:
+        v = w0
+    elif i == 1:
+        v = w1
+    elif i == 2:
+        v = w2
+    elif i == 3:
+        v = w3
+    else:
+        v = _w_tap(w, c, cmask, stride_wc, stride_ww, i, W, ACC)
+    return v
+
+
+@triton.jit
+def _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, near, cmask,
             stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
             W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
-    """Pre-activation z at position r of a sequence."""
+    """Pre-activation z at position r of a sequence (``w0``-``w3``: taps 0-3's weights of channels c, ``_w4``)."""
     if HAS_BIAS:
         z = tl.load(bias + c * stride_bc, mask=cmask, other=0.0).to(ACC) + tl.zeros(valid.shape, ACC)
     else:
         z = tl.zeros(valid.shape, ACC)
     for i in tl.static_range(W):
-        w_i = tl.load(w + c * stride_wc + (W - 1 - i) * stride_ww, mask=cmask, other=0.0).to(ACC)
+        w_i = _w_at(w0, w1, w2, w3, w, c, cmask, stride_wc, stride_ww, i, W, ACC)
         z += w_i * _tap(x, init, x_base, init_base, r - i, c, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
                         W, HAS_INIT, ACC)
     return z
@@ -141,13 +179,13 @@ def _store_parts(p0, p1, p2, b, tok, c, val, mask, e0, e1, sb0, st0, sc0, sb1, s
 
 
 @triton.jit
-def _dz(x, init, w, bias, g, x_base, init_base, r, c, valid, near, cmask,
+def _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c, valid, near, cmask,
         stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
         W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
     """Gradient of the pre-activation at position r of a sequence, from ``g`` = dy there (0 where not
     valid)."""
     if SILU:
-        z = _preact(x, init, w, bias, x_base, init_base, r, c, valid, near, cmask,
+        z = _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, near, cmask,
                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                     W, HAS_BIAS, HAS_INIT, ACC)
         sig = 1.0 / (1.0 + tl.exp(-z))
@@ -156,13 +194,21 @@ def _dz(x, init, w, bias, g, x_base, init_base, r, c, valid, near, cmask,
 
 
 @triton.jit(do_not_specialize=["tile", "T"])
-def _tile(tile, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _tile(tile, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Token tile ``tile`` of the ``cdiv(T, BLOCK_T) * B`` tiles (folding batch row b and token block)
     and this program's channel block (axis 1). Returns ``(b, t, c, t < T, c < C)`` with t the tile's token
-    positions in row b and c its channels."""
-    n_tb = tl.cdiv(T, BLOCK_T)
-    b = (tile // n_tb).to(tl.int64)
-    t = (tile % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    positions in row b and c its channels.
+
+    Packed (``IS_VARLEN``, B == 1) b is the constant 0: a runtime row times a batch stride (a
+    ``do_not_specialize`` argument, it changes with T) would hide the rows' 16-byte alignment from the
+    compiler, which then reads and writes 2-byte elements one by one instead of 16-byte vectors."""
+    if IS_VARLEN:
+        b = tl.zeros((), tl.int64)
+        t = (tile + tl.zeros((), tl.int64)) * BLOCK_T + tl.arange(0, BLOCK_T)
+    else:
+        n_tb = tl.cdiv(T, BLOCK_T)
+        b = (tile // n_tb).to(tl.int64)
+        t = (tile % n_tb).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     return b, t, c, t < T, c < C
 
@@ -177,8 +223,10 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
     """y for token tiles p, p + P, ... (of the NT = ``cdiv(T, BLOCK_T) * B``; P programs on axis 0) and
     channel block ``program_id(1)``; a tile is tokens [tb*BLOCK_T, +BLOCK_T) of batch row b. y is
     written as the parts ``y, y1, y2`` split at columns ``e0, e1`` (``_store_parts``)."""
+    cw = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    w0, w1, w2, w3 = _w4(w, cw[None, :], (cw < C)[None, :], stride_wc, stride_ww, W, ACC)
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
-        b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
+        b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C, IS_VARLEN)
         if IS_VARLEN:  # B == 1; positions are relative to each token's own sequence start
             n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
             s = tl.load(cu + n, mask=tmask, other=0)
@@ -192,7 +240,7 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
         r = r1[:, None]
         near = tl.min(tl.where(tmask, r1, W)) < W - 1
         valid = tmask[:, None] & cmask[None, :]
-        z = _preact(x, init, w, bias, x_base, init_base, r, c[None, :], valid, near, cmask[None, :],
+        z = _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c[None, :], valid, near, cmask[None, :],
                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                     W, HAS_BIAS, HAS_INIT, ACC)
         if SILU:
@@ -250,6 +298,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
     pid = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     kw = tl.arange(0, BLOCK_W)
+    w0, w1, w2, w3 = _w4(w, c[None, :], (c < C)[None, :], stride_wc, stride_ww, W, ACC)
     acc_db = tl.zeros((BLOCK_T, BLOCK_C), ACC)
     acc0 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
     acc1 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
@@ -257,7 +306,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
     acc3 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
     acc_dw = tl.zeros((BLOCK_C, BLOCK_W), ACC)      # taps past 4: [channel, tap index of weight]
     for tile in range(pid, NT, tl.num_programs(0)):
-        b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
+        b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C, IS_VARLEN)
         if IS_VARLEN:
             n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
             s = tl.load(cu + n, mask=tmask, other=0)
@@ -274,7 +323,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
         valid = tmask[:, None] & cm2
         g = _load_parts(dy, dy1, dy2, b, t[:, None], c2, valid, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                         sd2b, sd2t, sd2c, ACC, PARTS)
-        g = _dz(x, init, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
+        g = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                 W, HAS_BIAS, HAS_INIT, SILU, ACC)
         tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
@@ -318,8 +367,10 @@ def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_
 
     dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output).
     """
+    cw = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    w0, w1, w2, w3 = _w4(w, cw[None, :], (cw < C)[None, :], stride_wc, stride_ww, W, ACC)
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
-        b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C)
+        b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C, IS_VARLEN)
         if IS_VARLEN:
             n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
             end1 = tl.load(cu + n + 1, mask=tmask, other=0)      # one past the sequence's last token
@@ -333,7 +384,7 @@ def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_
         rows = b * T + tt
         acc = tl.zeros((BLOCK_T, BLOCK_C), ACC)
         for j in tl.static_range(W):
-            w_j = tl.load(w + c2 * stride_wc + (W - 1 - j) * stride_ww, mask=cm2, other=0.0).to(ACC)
+            w_j = _w_at(w0, w1, w2, w3, w, c2, cm2, stride_wc, stride_ww, j, W, ACC)
             acc += w_j * tl.load(dz + (rows + j) * C + c2, mask=valid & (tt + j < end), other=0.0).to(ACC)
         if HAS_DFINAL:
             if tl.min(tl.where(tmask, end1 - t, W)) < W:
@@ -364,6 +415,7 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
     cmask = c < C
     kvalid = cmask & (k < W - 1)
     r = k - (W - 1)
+    w0, w1, w2, w3 = _w4(w, c, cmask, stride_wc, stride_ww, W, ACC)
     for n32 in range(tl.program_id(0), N, tl.num_programs(0)):
         n = n32 + tl.zeros((), tl.int64)
         if IS_VARLEN:
@@ -382,10 +434,10 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
             at = kvalid & (rt >= 0) & (rt < length)
             g = _load_parts(dy, dy1, dy2, dy_b, dy_t0 + rt, c, at, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                             sd2b, sd2t, sd2c, ACC, PARTS)
-            dz = _dz(x, init, w, bias, g, x_base, init_base, rt, c, at, True, cmask,
+            dz = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, rt, c, at, True, cmask,
                      stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                      W, HAS_BIAS, True, SILU, ACC)
-            w_j = tl.load(w + c * stride_wc + (W - 1 - j) * stride_ww, mask=cmask, other=0.0).to(ACC)
+            w_j = _w_at(w0, w1, w2, w3, w, c, cmask, stride_wc, stride_ww, j, W, ACC)
             acc += w_j * dz
         if HAS_DFINAL:
             kf = k - length

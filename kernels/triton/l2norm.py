@@ -27,13 +27,16 @@ BLOCK_M = 16
 
 @triton.jit(do_not_specialize=["start", "M", "T", "H", "stride_b", "stride_t", "stride_h"])
 def _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, BD: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """Rows ``[start, start + BLOCK)`` of x (fp32, masked), their flat indices, the mask and 1 / ||row||."""
+               BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """Rows ``[start, start + BLOCK)`` of x (fp32, masked), their flat indices, the mask and 1 / ||row||.
+    ``ALIGN``: every row starts a multiple of ALIGN elements into x (``_row_align``)."""
     rows = start + tl.arange(0, BLOCK).to(tl.int64)
     cols = tl.arange(0, BD)
     h = rows % H
     bt = rows // H
     src = (bt // T) * stride_b + (bt % T) * stride_t + h * stride_h
+    if ALIGN > 1:
+        src = tl.multiple_of(src, ALIGN)
     mask = (rows < M)[:, None] & (cols < D)[None, :]
     bx = tl.load(x + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     return bx, rows, cols, mask, 1.0 / tl.sqrt(tl.sum(bx * bx, 1) + eps)
@@ -41,15 +44,17 @@ def _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.const
 
 @triton.jit(do_not_specialize=["start", "M", "T", "H", "stride_b", "stride_t", "stride_h"])
 def _fwd_rows(x, y, start, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, BD: tl.constexpr,
-              BLOCK: tl.constexpr):
-    bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+              BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK,
+                                            ALIGN)
     tl.store(y + rows[:, None] * D + cols[None, :], (bx * rstd[:, None]).to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["start", "M", "T", "H", "stride_b", "stride_t", "stride_h"])
 def _bwd_rows(x, dy, dx, start, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, BD: tl.constexpr,
-              BLOCK: tl.constexpr):
-    bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+              BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    bx, rows, cols, mask, rstd = _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK,
+                                            ALIGN)
     bdy = tl.load(dy + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     by = bx * rstd[:, None]
     bdx = (bdy - tl.sum(bdy * by, 1)[:, None] * by) * rstd[:, None]
@@ -59,24 +64,39 @@ def _bwd_rows(x, dy, dx, start, M, T, H, stride_b, stride_t, stride_h, eps, D: t
 @triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h", "stride_b2", "stride_t2",
                                "stride_h2"])
 def _l2norm_fwd_kernel(x, y, x2, y2, M, T, H, stride_b, stride_t, stride_h, stride_b2, stride_t2, stride_h2, eps,
-                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr):
+                       D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr,
+                       ALIGN: tl.constexpr):
     """y = l2norm(x) for row tiles p, p + P, ...; with ``PAIR`` also y2 = l2norm(x2) (same shape as x,
     its own strides): q and k in one launch."""
     for start in range(tl.program_id(0) * BLOCK, M, tl.num_programs(0) * BLOCK):
-        _fwd_rows(x, y, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+        _fwd_rows(x, y, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK, ALIGN)
         if PAIR:
-            _fwd_rows(x2, y2, start, M, T, H, stride_b2, stride_t2, stride_h2, eps, D, BD, BLOCK)
+            _fwd_rows(x2, y2, start, M, T, H, stride_b2, stride_t2, stride_h2, eps, D, BD, BLOCK, ALIGN)
 
 
 @triton.jit(do_not_specialize=["M", "T", "H", "stride_b", "stride_t", "stride_h", "stride_b2", "stride_t2",
                                "stride_h2"])
 def _l2norm_bwd_kernel(x, dy, dx, x2, dy2, dx2, M, T, H, stride_b, stride_t, stride_h, stride_b2, stride_t2,
-                       stride_h2, eps, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr):
+                       stride_h2, eps, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr, PAIR: tl.constexpr,
+                       ALIGN: tl.constexpr):
     """dx of ``_l2norm_fwd_kernel`` (the norm recomputed from x; dy contiguous); with ``PAIR`` also dx2."""
     for start in range(tl.program_id(0) * BLOCK, M, tl.num_programs(0) * BLOCK):
-        _bwd_rows(x, dy, dx, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK)
+        _bwd_rows(x, dy, dx, start, M, T, H, stride_b, stride_t, stride_h, eps, D, BD, BLOCK, ALIGN)
         if PAIR:
-            _bwd_rows(x2, dy2, dx2, start, M, T, H, stride_b2, stride_t2, stride_h2, eps, D, BD, BLOCK)
+            _bwd_rows(x2, dy2, dx2, start, M, T, H, stride_b2, stride_t2, stride_h2, eps, D, BD, BLOCK, ALIGN)
+
+
+def _row_align(*tensors) -> int:
+    """Elements per 16 bytes when every row of each ``[B, T, H, D]`` tensor starts a multiple of 16 bytes
+    from its first (strides of T and H, and of B when B > 1), else 1: the kernels' ``ALIGN``, a hint that
+    lets them read rows as 16-byte vectors (their strides are runtime arguments, so the compiler cannot
+    see it). Packed (B == 1) it depends on the layer's widths only, never on T."""
+    vec = 16 // tensors[0].element_size()
+    for t in tensors:
+        strides = t.stride()[1:3] if t.shape[0] == 1 else t.stride()[:3]
+        if vec <= 1 or any(s % vec for s in strides):
+            return 1
+    return vec
 
 
 def _launch_args(x: torch.Tensor):
@@ -120,7 +140,7 @@ def l2norm_pair_fwd(q: torch.Tensor, k: torch.Tensor | None, eps: float = EPS):
     if M:
         _l2norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
             q, yq, k2, yk, M, T, H, *q.stride()[:3], *k2.stride()[:3], eps, D=D, BD=BD, BLOCK=BLOCK_M,
-            PAIR=k is not None)
+            PAIR=k is not None, ALIGN=_row_align(q, k2))
     return yq, (None if k is None else yk)
 
 
@@ -141,5 +161,5 @@ def l2norm_pair_bwd(q: torch.Tensor, dq: torch.Tensor, k: torch.Tensor | None, d
     if M:
         _l2norm_bwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
             q, dq, dxq, k2, dk2, dxk, M, T, H, *q.stride()[:3], *k2.stride()[:3], eps, D=D, BD=BD, BLOCK=BLOCK_M,
-            PAIR=k is not None)
+            PAIR=k is not None, ALIGN=_row_align(q, k2))
     return dxq, (None if k is None else dxk)

@@ -10,8 +10,9 @@ Shapes: ``x, z: [..., D]`` (same shape, ``stride(-1) == 1``), ``D <= 1024`` (any
 view when the strides allow (rows of a wider buffer are read in place), else by a copy. The kernels
 walk tiles of ``BLOCK_M`` rows by the whole ``D``; the grid is one axis of at most 65 535 programs
 (``_grid.py``), each looping over its tiles. ``N`` (the row count, M), the
-program count ``NB`` and the row strides are runtime arguments (``do_not_specialize``): a new token
-count or packing compiles nothing. Block sizes depend on ``D`` only; one fixed config, no autotune.
+program count ``NB`` are runtime arguments (``do_not_specialize``): a new token
+count or packing compiles nothing. The row strides are specialised (Triton's ``== 1`` / ``% 16`` rule) so that
+rows are read as 16-byte vectors; they are the buffers' widths, which no token count changes. Block sizes depend on ``D`` only; one fixed config, no autotune.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _rstd(xv, eps, D: tl.constexpr):
     return 1.0 / tl.sqrt(tl.sum(xv * xv, 1) / D + eps)
 
 
-@triton.jit(do_not_specialize=["N", "stride_x", "stride_z"])
+@triton.jit(do_not_specialize=["N"])
 def _norm_fwd_kernel(x, z, w, y, rstd, N, stride_x, stride_z, eps,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                      C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr):
@@ -82,7 +83,7 @@ def _norm_fwd_kernel(x, z, w, y, rstd, N, stride_x, stride_z, eps,
         tl.store(rstd + rows, r.to(rstd.dtype.element_ty), mask=m_r)
 
 
-@triton.jit(do_not_specialize=["N", "NB", "stride_dy", "stride_x", "stride_z"])
+@triton.jit(do_not_specialize=["N", "NB"])
 def _norm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_part, N, NB, stride_dy, stride_x, stride_z, eps,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                      C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_RSTD: tl.constexpr):
