@@ -163,13 +163,14 @@ def bench(quick, sweep=False):
 def bench_dz_tiles(x, w, b, cu, init, dy):
     """Backward time for dz-pass tiles (DZ_BLOCK_T x channel block, warps; the dx pass keeps its tile), with
     bias and initial states, and as the layer trains (neither: another variant, fewer registers)."""
-    default = conv.DZ_BLOCK_T, conv._dz_block_c, conv.DZ_NUM_WARPS
+    default = conv.DZ_BLOCK_T, conv.DZ_BLOCK_T_PLAIN, conv._dz_block_c, conv.DZ_NUM_WARPS
     C = x.shape[-1]
-    print(f"dz pass tile (default {conv.DZ_BLOCK_T} x {conv._dz_block_c(C)}, {conv.DZ_NUM_WARPS} warps): bwd ms "
+    print(f"dz pass tile (default {conv.DZ_BLOCK_T} x {conv._dz_block_c(C)} with bias or initial states, "
+          f"{conv.DZ_BLOCK_T_PLAIN} x {conv._dz_block_c(C)} without, {conv.DZ_NUM_WARPS} warps): bwd ms "
           f"with bias and initial states / without either (the layer's conv in training)")
     for bt, bc, nw in ((32, 64, 4), (16, 64, 4), (16, 64, 2), (8, 64, 2), (16, 32, 2), (32, 32, 4),
                        (16, 128, 4), (8, 128, 4), (32, 128, 8), (32, 64, 8), (64, 64, 8)):
-        conv.DZ_BLOCK_T, conv._dz_block_c, conv.DZ_NUM_WARPS = bt, (lambda C, bc=bc: bc), nw
+        conv.DZ_BLOCK_T, conv.DZ_BLOCK_T_PLAIN, conv._dz_block_c, conv.DZ_NUM_WARPS = bt, bt, (lambda C, bc=bc: bc), nw
         times = []
         for bias, state in ((b, init), (None, None)):
             def run(bias=bias, state=state):
@@ -179,7 +180,7 @@ def bench_dz_tiles(x, w, b, cu, init, dy):
             except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
                 times.append(f"failed ({type(e).__name__})")
         print(f"dz tile {bt:3d} x {bc:3d}, {nw} warps: bwd {times[0]} / {times[1]} ms")
-    conv.DZ_BLOCK_T, conv._dz_block_c, conv.DZ_NUM_WARPS = default
+    conv.DZ_BLOCK_T, conv.DZ_BLOCK_T_PLAIN, conv._dz_block_c, conv.DZ_NUM_WARPS = default
 
 
 def bench_split(x, w, b, cu, init, dy):

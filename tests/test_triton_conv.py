@@ -123,6 +123,19 @@ def test_dz_pass_tile_differs_from_the_dx_pass_tile(monkeypatch, dz_tile, dz_pro
     assert (dx["BLOCK_T"], dx["BLOCK_C"], dx["num_warps"]) == (conv.BLOCK_T, conv._block_c(40), conv.NUM_WARPS)
 
 
+@pytest.mark.parametrize("bias,init", [(False, False), (True, False), (False, True)])
+def test_dz_pass_takes_the_plain_tile_without_bias_and_initial_states(monkeypatch, bias, init):
+    """The layer's conv in training has neither bias nor initial states: that kernel variant (fewer registers)
+    takes ``DZ_BLOCK_T_PLAIN`` token rows per tile, any other ``DZ_BLOCK_T``; both match float64."""
+    monkeypatch.setattr(conv, "DZ_BLOCK_T", 8)
+    monkeypatch.setattr(conv, "DZ_BLOCK_T_PLAIN", 4)
+    spy = LaunchSpy(conv._conv_dz_kernel)
+    monkeypatch.setattr(conv, "_conv_dz_kernel", spy)
+    assert_matches_reference(make_inputs(1, 70, 24, 4, cu=[0, 5, 33, 70], bias=bias, init=init, seed=3), "silu",
+                             final=init)
+    assert spy.kwargs[0]["BLOCK_T"] == (8 if bias or init else 4)
+
+
 def test_channel_major_inputs_past_the_32_bit_column_offset_are_copied(monkeypatch):
     """Channel offsets (c * channel stride) are 32-bit in the kernels: an x, dy, initial state or dfinal whose
     last channel lies ``_layout.OFFSET_LIMIT`` (2**31) elements or more from its first reaches them as a copy.

@@ -18,7 +18,7 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
   of tokens x channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the
   caches).
 - ``_conv_state_fwd_kernel``, over the N sequences x channel blocks: gathers ``final_state[n]``.
-- ``_conv_dz_kernel``, over its own tiles (``DZ_BLOCK_T`` x ``_dz_block_c(C)``): the pre-activation's
+- ``_conv_dz_kernel``, over its own tiles (``DZ_BLOCK_T`` or ``DZ_BLOCK_T_PLAIN`` x ``_dz_block_c(C)``): the pre-activation's
   gradient dz (z recomputed from x; the forward saves nothing but its inputs) into a ``[B, T, C]``
   scratch buffer, plus each
   program's partial sums of dweight and dbias over its tiles (summed over the programs in torch
@@ -54,9 +54,12 @@ DZ_PROGRAMS = 8192
 # _dz_block_c(C). H200, scripts/bench_triton_conv.py --sweep (C = 8192, bf16, 32k tokens, with bias and
 # initial states): backward 3.30 ms with 16 x 64 tiles on 2 warps, 4.02 ms with 32 x 64 on 4. That variant
 # takes 255 registers and spills on both tiles (sm_90, Triton 3.7.1); the layer's conv has neither bias nor
-# (in training) initial states: 184-190 registers, no spill on either tile. So the sweep may not carry over
-# and the forward's tile stays until the bench has timed the layer's variant (it now does).
+# (in training) initial states: 184-190 registers, no spill on either tile. So the sweep may not carry over.
+# Session 15 (H200, the same bench after the 16-byte accesses and the hoisted tap weights; the layer's variant,
+# neither bias nor initial states): 1.325 ms with 16 x 64 tiles on 4 warps, 1.538 ms with 32 x 64 on 4 (with
+# both: 4.01 / 3.56 ms). So the plain variant takes DZ_BLOCK_T_PLAIN, the other DZ_BLOCK_T.
 DZ_BLOCK_T = 32
+DZ_BLOCK_T_PLAIN = 16
 DZ_NUM_WARPS = 4
 
 
@@ -554,7 +557,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     silu = activation in ("silu", "swish")
     block_c, dz_block_c = _block_c(C), _dz_block_c(C)
     n_cb, dz_n_cb = triton.cdiv(C, block_c), triton.cdiv(C, dz_block_c)
-    n_tiles, dz_n_tiles = triton.cdiv(T, BLOCK_T) * B, triton.cdiv(T, DZ_BLOCK_T) * B
+    dz_block_t = DZ_BLOCK_T if bias is not None or initial_state is not None else DZ_BLOCK_T_PLAIN
+    n_tiles, dz_n_tiles = triton.cdiv(T, BLOCK_T) * B, triton.cdiv(T, dz_block_t) * B
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
     n_prog = programs(min(dz_n_tiles, triton.cdiv(DZ_PROGRAMS, dz_n_cb)), dz_n_cb) if C > 0 else 0
@@ -578,7 +582,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             seq_idx, cu_arg, *dy_parts, dz, dw_part, db_part,
             T, dz_n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
-            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=DZ_BLOCK_T,
+            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
             BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, num_warps=DZ_NUM_WARPS, **flags)
         _conv_dx_kernel[(programs(n_tiles, n_cb), n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
