@@ -73,13 +73,19 @@ def _dz_block_c(C: int) -> int:
 
 @triton.jit
 def _tap(x, init, x_base, init_base, r, c, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
-         W: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
+         W: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr, ALIGN: tl.constexpr):
     """Input at position r of a sequence (r < 0: its conv state entry W-1+r); 0 where not valid.
 
     The state is read only when ``near`` (the block holds a position < 0): its channel stride is
     W-1, so these are scalar gathers that would otherwise cost more than the whole x tile.
+    ``ALIGN`` (``_x_align``): every row of x starts a multiple of ALIGN elements from x, which lets the
+    compiler read rows as 16-byte vectors where Triton's own ``% 16`` specialisation of the row stride
+    cannot tell (a row of ``C + 2 hv`` elements with hv not a multiple of 8).
     """
-    v = tl.load(x + x_base + r * stride_xt + c * stride_xc, mask=valid & (r >= 0), other=0.0).to(ACC)
+    row = x_base + r * stride_xt
+    if ALIGN > 1:
+        row = tl.multiple_of(row, [ALIGN, ALIGN])   # ([BLOCK_T, 1]: one value per dim)
+    v = tl.load(x + row + c * stride_xc, mask=valid & (r >= 0), other=0.0).to(ACC)
     if HAS_INIT:
         if near:
             k = W - 1 + r
@@ -128,7 +134,8 @@ def _w_at(w0, w1, w2, w3, w, c, cmask, stride_wc, stride_ww, i: tl.constexpr, W:
 @triton.jit
 def _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, near, cmask,
             stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-            W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
+            W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr,
+            ALIGN: tl.constexpr):
     """Pre-activation z at position r of a sequence (``w0``-``w3``: taps 0-3's weights of channels c, ``_w4``)."""
     if HAS_BIAS:
         z = tl.load(bias + c * stride_bc, mask=cmask, other=0.0).to(ACC) + tl.zeros(valid.shape, ACC)
@@ -137,7 +144,7 @@ def _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, ne
     for i in tl.static_range(W):
         w_i = _w_at(w0, w1, w2, w3, w, c, cmask, stride_wc, stride_ww, i, W, ACC)
         z += w_i * _tap(x, init, x_base, init_base, r - i, c, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
-                        W, HAS_INIT, ACC)
+                        W, HAS_INIT, ACC, ALIGN)
     return z
 
 
@@ -184,13 +191,14 @@ def _store_parts(p0, p1, p2, b, tok, c, val, mask, e0, e1, sb0, st0, sc0, sb1, s
 @triton.jit
 def _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c, valid, near, cmask,
         stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-        W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
+        W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+        ALIGN: tl.constexpr):
     """Gradient of the pre-activation at position r of a sequence, from ``g`` = dy there (0 where not
     valid)."""
     if SILU:
         z = _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, near, cmask,
                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-                    W, HAS_BIAS, HAS_INIT, ACC)
+                    W, HAS_BIAS, HAS_INIT, ACC, ALIGN)
         sig = 1.0 / (1.0 + tl.exp(-z))
         g = g * sig * (1.0 + z * (1.0 - sig))
     return g
@@ -222,7 +230,7 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
                      stride_in, stride_ic, stride_ik,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                      SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                     PARTS: tl.constexpr):
+                     PARTS: tl.constexpr, X_ALIGN: tl.constexpr):
     """y for token tiles p, p + P, ... (of the NT = ``cdiv(T, BLOCK_T) * B``; P programs on axis 0) and
     channel block ``program_id(1)``; a tile is tokens [tb*BLOCK_T, +BLOCK_T) of batch row b. y is
     written as the parts ``y, y1, y2`` split at columns ``e0, e1`` (``_store_parts``)."""
@@ -245,7 +253,7 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
         valid = tmask[:, None] & cmask[None, :]
         z = _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c[None, :], valid, near, cmask[None, :],
                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-                    W, HAS_BIAS, HAS_INIT, ACC)
+                    W, HAS_BIAS, HAS_INIT, ACC, X_ALIGN)
         if SILU:
             z = z / (1.0 + tl.exp(-z))
         _store_parts(y, y1, y2, b, t[:, None], c[None, :], z, valid, e0, e1, sy0b, sy0t, sy0c, sy1b, sy1t, sy1c,
@@ -272,7 +280,7 @@ def _conv_state_fwd_kernel(x, init, cu, final, T, N, C, stride_xb, stride_xt, st
             length = T + tl.zeros((), tl.int64)
             x_base = n * stride_xb
         v = _tap(x, init, x_base, n * stride_in, length - (W - 1) + k, c, valid, True, stride_xt, stride_xc,
-                 stride_ic, stride_ik, W, HAS_INIT, ACC)
+                 stride_ic, stride_ik, W, HAS_INIT, ACC, 1)
         tl.store(final + (n * C + c) * (W - 1) + k, v, mask=valid)
 
 
@@ -289,7 +297,8 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
                     stride_in, stride_ic, stride_ik,
                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr,
+                    X_ALIGN: tl.constexpr):
     """dz (the pre-activation's gradient) for token tiles p, p + P, ... (of NT), and the program's
     partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts). dy comes as the
     parts ``dy, dy1, dy2`` split at columns ``e0, e1`` (``_load_parts``).
@@ -328,13 +337,13 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
                         sd2b, sd2t, sd2c, ACC, PARTS)
         g = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-                W, HAS_BIAS, HAS_INIT, SILU, ACC)
+                W, HAS_BIAS, HAS_INIT, SILU, ACC, X_ALIGN)
         tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
         if HAS_BIAS:
             acc_db += g
         for i in tl.static_range(W):
             xi = _tap(x, init, x_base, init_base, r - i, c2, valid, near, stride_xt, stride_xc, stride_ic, stride_ik,
-                      W, HAS_INIT, ACC)
+                      W, HAS_INIT, ACC, X_ALIGN)
             if i == 0:
                 acc0 += g * xi
             elif i == 1:
@@ -439,7 +448,7 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
                             sd2b, sd2t, sd2c, ACC, PARTS)
             dz = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, rt, c, at, True, cmask,
                      stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-                     W, HAS_BIAS, True, SILU, ACC)
+                     W, HAS_BIAS, True, SILU, ACC, 1)
             w_j = _w_at(w0, w1, w2, w3, w, c, cmask, stride_wc, stride_ww, j, W, ACC)
             acc += w_j * dz
         if HAS_DFINAL:
@@ -447,6 +456,15 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
             acc += tl.load(dfinal + n * stride_dfn + c * stride_dfc + kf * stride_dfk,
                            mask=kvalid & (kf >= 0), other=0.0).to(ACC)
         tl.store(dinit + (n * C + c) * (W - 1) + k, acc.to(dinit.dtype.element_ty), mask=kvalid)
+
+
+def _x_align(x) -> int:
+    """The fwd and dz kernels' ``X_ALIGN``: elements per 16 bytes when every row of x ``[B, T, C]`` starts a
+    multiple of 16 bytes from x (the T stride, and the B stride when B > 1, multiples of it), else 1.
+    Packed (B == 1) it depends on the buffer's width only, never on T."""
+    vec = 16 // x.element_size()
+    strides = x.stride()[1:2] if x.shape[0] == 1 else x.stride()[:2]
+    return vec if vec > 1 and all(s % vec == 0 for s in strides) else 1
 
 
 def _compute_dtype(*tensors):
@@ -524,7 +542,8 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
-            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=parts, num_warps=NUM_WARPS)
+            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=parts, X_ALIGN=_x_align(x),
+            num_warps=NUM_WARPS)
     final = None
     if output_final_state:
         final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
@@ -583,7 +602,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             T, dz_n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
-            BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, num_warps=DZ_NUM_WARPS, **flags)
+            BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=_x_align(x), num_warps=DZ_NUM_WARPS,
+            **flags)
         _conv_dx_kernel[(programs(n_tiles, n_cb), n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS, **flags)

@@ -9,8 +9,9 @@ Grid: ``(min(cdiv(M, BLOCK_M), 65535),)`` (``_grid.py``); program p normalises r
 of ``BLOCK_M`` rows (P programs).
 ``l2norm_pair_fwd`` / ``l2norm_pair_bwd`` take q and k (same shape) in one launch: each program does
 its row tiles of both (``PAIR``); the backends normalise the gated delta rule's q and k so.
-Runtime (never specialised): ``M``, ``T``, ``H`` and every stride. Compile-time: ``D`` (head dim) and
-the block sizes derived from it.
+Runtime (never specialised): ``M``, ``T``, ``H`` and every stride (the B stride passed as 0 when B == 1).
+Compile-time: ``D`` (head dim), the block sizes derived from it and ``ALIGN`` (``_row_align``: rows start
+16 bytes apart, so they are read as 16-byte vectors; from the H and T strides, never from T when B == 1).
 """
 from __future__ import annotations
 
@@ -86,16 +87,21 @@ def _l2norm_bwd_kernel(x, dy, dx, x2, dy2, dx2, M, T, H, stride_b, stride_t, str
             _bwd_rows(x2, dy2, dx2, start, M, T, H, stride_b2, stride_t2, stride_h2, eps, D, BD, BLOCK, ALIGN)
 
 
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """The B, T and H strides the kernels take: B's is 0 when B == 1 (packed: row 0 only), so that it
+    neither depends on T nor breaks ``_row_align``."""
+    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1), t.stride(2)
+
+
 def _row_align(*tensors) -> int:
     """Elements per 16 bytes when every row of each ``[B, T, H, D]`` tensor starts a multiple of 16 bytes
-    from its first (strides of T and H, and of B when B > 1), else 1: the kernels' ``ALIGN``, a hint that
-    lets them read rows as 16-byte vectors (their strides are runtime arguments, so the compiler cannot
-    see it). Packed (B == 1) it depends on the layer's widths only, never on T."""
+    from its first (``_strides`` all multiples of it), else 1: the kernels' ``ALIGN``, a hint that lets
+    them read rows as 16-byte vectors (their strides are runtime arguments, so the compiler cannot see
+    it; the pointers' own 16-byte alignment Triton specialises on). Packed (B == 1) it depends on the
+    layer's widths only, never on T."""
     vec = 16 // tensors[0].element_size()
-    for t in tensors:
-        strides = t.stride()[1:3] if t.shape[0] == 1 else t.stride()[:3]
-        if vec <= 1 or any(s % vec for s in strides):
-            return 1
+    if vec <= 1 or any(s % vec for t in tensors for s in _strides(t)):
+        return 1
     return vec
 
 
@@ -139,7 +145,7 @@ def l2norm_pair_fwd(q: torch.Tensor, k: torch.Tensor | None, eps: float = EPS):
     yk = yq if k is None else torch.empty(k2.shape, dtype=k2.dtype, device=k2.device)
     if M:
         _l2norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
-            q, yq, k2, yk, M, T, H, *q.stride()[:3], *k2.stride()[:3], eps, D=D, BD=BD, BLOCK=BLOCK_M,
+            q, yq, k2, yk, M, T, H, *_strides(q), *_strides(k2), eps, D=D, BD=BD, BLOCK=BLOCK_M,
             PAIR=k is not None, ALIGN=_row_align(q, k2))
     return yq, (None if k is None else yk)
 
@@ -160,6 +166,6 @@ def l2norm_pair_bwd(q: torch.Tensor, dq: torch.Tensor, k: torch.Tensor | None, d
     dxk = dxq if k is None else torch.empty(k2.shape, dtype=k2.dtype, device=k2.device)
     if M:
         _l2norm_bwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
-            q, dq, dxq, k2, dk2, dxk, M, T, H, *q.stride()[:3], *k2.stride()[:3], eps, D=D, BD=BD, BLOCK=BLOCK_M,
+            q, dq, dxq, k2, dk2, dxk, M, T, H, *_strides(q), *_strides(k2), eps, D=D, BD=BD, BLOCK=BLOCK_M,
             PAIR=k is not None, ALIGN=_row_align(q, k2))
     return dxq, (None if k is None else dxk)
