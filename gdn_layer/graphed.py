@@ -33,6 +33,7 @@ inference mode, another shape or dtype of ``hidden_states``, more than ``max_num
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import torch
 from torch import nn
@@ -154,7 +155,11 @@ class GraphedCall:
         self.replays = 0              # forward replays since the capture (count_replays)
 
     def applies(self, layer, x, cu, state, output_state, token_order) -> bool:
-        """Whether this call is one of the capacity (else the layer runs eagerly)."""
+        """Whether this call is one of the capacity (else the layer runs eagerly). A training call with a
+        state warns (once per process): it is most likely a transformers model trained with
+        ``use_cache=True``, whose every step would otherwise run eagerly without a word."""
+        if state is not None and layer.training and torch.is_grad_enabled():
+            warnings.warn(_STATE_IN_TRAINING, UserWarning, stacklevel=3)
         return (layer.training and torch.is_grad_enabled() and state is None and output_state is False
                 and token_order is None and isinstance(x, torch.Tensor) and x.shape == self.shape
                 and x.dtype == self.dtype and x.device == self.device
@@ -189,6 +194,12 @@ class GraphedCall:
 
     def __reduce__(self):
         return (_none, ())
+
+
+_STATE_IN_TRAINING = (
+    "graphed GatedDeltaNet: a training call with a state runs eagerly, not from the captured graphs. A transformers "
+    "model passes its cache as the state when use_cache=True (its config's default): set model.config.use_cache = "
+    "False (or pass use_cache=False) to train from the graphs; gdn_layer.count_replays(model) counts the replays.")
 
 
 def _copy_grad(grad: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ replaced by a stand-in that keeps its semantics (static input, output and gradie
 parameters read live) but runs the layer eagerly. The real capture runs in tests/test_cuda_graphs.py (GPU).
 
 The oracle is a deep copy of the model taken before graphing (a copy is never graphed), run eagerly in float64."""
+import contextlib
 import copy
 import io
 import pickle
@@ -308,14 +309,38 @@ def test_calls_outside_the_capacity_run_eagerly_with_eager_results(replays, case
     if case == "eval":
         model.eval()
         oracle.eval()
+    warns = pytest.warns(UserWarning, match="use_cache") if case == "state" else contextlib.nullcontext()
     with ctx or torch.enable_grad():
-        got = model.gdn0(x, cu_seqlens=cu, **kw)
+        with warns:                  # (a training call with a state says it runs eagerly)
+            got = model.gdn0(x, cu_seqlens=cu, **kw)
         want = oracle.gdn0(x, cu_seqlens=cu, **kw)
     if case == "output_state":
         close(got[1].recurrent_state, want[1].recurrent_state)
         got, want = got[0], want[0]
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-10, atol=1e-6)
     assert replays.forwards == 0 and count_replays(model) == 0
+
+
+def test_a_training_call_with_a_state_warns_that_it_runs_eagerly(replays):
+    """A transformers model trained with use_cache=True hands the layers its cache: every step would run
+    eagerly without a word. The training call warns (once per process: Python's default filter); an eval or
+    no-grad call with a state (decoding) does not."""
+    import warnings
+    model = fresh_model()
+    make_graphed_layers(model, T, N_MAX)
+    state = GDNState(torch.randn(3, 64, 3, dtype=torch.float64), torch.randn(3, 4, 8, 8, dtype=torch.float64))
+    x, cu = torch.randn(1, T, H, dtype=torch.float64), torch.tensor(PACKS[0])
+    with pytest.warns(UserWarning, match="use_cache=True.*model.config.use_cache = False"):
+        model.gdn0(x, cu_seqlens=cu, state=state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model.gdn0(x, cu_seqlens=cu, state=state)
+        model.eval()
+        model.gdn0(x, cu_seqlens=cu, state=state)
+        model.train()
+        model.gdn0(x, cu_seqlens=cu)                 # a call of the capacity replays, silently
+    assert replays.forwards == 1
 
 
 def test_bad_packs_of_the_capacity_get_the_eager_errors(replays):
