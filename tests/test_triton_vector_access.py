@@ -5,7 +5,8 @@
 flags (bf16, packed, no bias, no conv states) at a head layout whose pre-conv row, ``C + 2 hv`` elements,
 is not a multiple of 16 (hv = 4: Triton's ``% 16`` specialisation cannot show its rows are 16-byte aligned,
 as under SP when a rank holds 4 value heads). In each kernel's tile loop (the PTX after the entry block)
-it counts 2-byte global loads and stores, one element per instruction. On an H200 the first form of these
+it counts 2-byte global loads and stores, one element per instruction, and 4-byte ones (a row read two
+elements at a time); the conv runs packed and as a padded batch of two rows. On an H200 the first form of these
 kernels, with such accesses, took 1.58 ms for the conv's dz pass at 32k tokens and Qwen3-Next's shape; with
 16-byte rows 0.92 ms (docs/performance.md, session 15).
 
@@ -21,6 +22,7 @@ import sys
 
 HERE = pathlib.Path(__file__).parent
 KERNELS = {"conv:_conv_fwd_kernel", "conv:_conv_dz_kernel", "conv:_conv_dx_kernel",
+           "conv_dense:_conv_fwd_kernel", "conv_dense:_conv_dz_kernel", "conv_dense:_conv_dx_kernel",
            "conv_split:_conv_fwd_kernel", "conv_split:_conv_dz_kernel",
            "l2norm:_l2norm_fwd_kernel", "l2norm:_l2norm_bwd_kernel",
            "norm:_norm_fwd_kernel", "norm:_norm_bwd_kernel"}
@@ -38,7 +40,10 @@ def probe(*args, timeout=600):
 def test_tile_loops_access_16_bit_rows_as_vectors_only():
     found = probe()
     assert set(found) == KERNELS, set(found) ^ KERNELS
-    scalar = {name: r for name, r in found.items() if r["scalar16_in_loop"] or not r["vector_in_loop"]}
+    # a few 4-byte accesses are not rows: the packed path's sequence index and start per token, the conv's
+    # fp32 dweight partials and the norms' rstd; a 16-bit row read 2 elements at a time would add dozens
+    scalar = {name: r for name, r in found.items()
+              if r["scalar16_in_loop"] or r["scalar32_in_loop"] > 8 or not r["vector_in_loop"]}
     assert not scalar, scalar
 
 

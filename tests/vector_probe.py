@@ -23,8 +23,7 @@ import compile_probe  # noqa: E402  (a fresh TRITON_CACHE_DIR and the fake SM90 
 
 import torch  # noqa: E402
 
-SCALAR16 = re.compile(r"\b(?:ld|st)\.global(?:\.\w+)*\.[bus]16\b")
-VECTOR = re.compile(r"\b(?:ld|st)\.global(?:\.\w+)*\.v[24]\.")
+ACCESS = re.compile(r"\b(?:ld|st)\.global\S*")   # every global load / store, with all its qualifiers
 
 
 def layer_kernels(T=3000, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16):
@@ -38,12 +37,17 @@ def layer_kernels(T=3000, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16):
     weight = torch.randn(C, W, dtype=dtype, generator=g)
     dy = torch.randn(1, T, C, dtype=dtype, generator=g)
     sizes = [Hk * D, Hk * D, Hv * D]
+    x2 = torch.randn(2, T // 2, C + 2 * Hv, dtype=dtype, generator=g)[..., :C]
+    dy2 = torch.randn(2, T // 2, C, dtype=dtype, generator=g)
     q, k = (torch.randn(1, T, Hk, D, dtype=dtype, generator=g) for _ in range(2))
     o, z = (torch.randn(1, T, Hv, D, dtype=dtype, generator=g) for _ in range(2))
     norm_weight = torch.randn(D, dtype=dtype, generator=g)
     return {
         "conv": lambda: (triton_ops.conv_fwd(x, weight, None, "silu", cu),
                          triton_ops.conv_bwd(dy, None, x, weight, None, "silu", cu)),
+        # two rows, no cu_seqlens (a padded batch)
+        "conv_dense": lambda: (triton_ops.conv_fwd(x2, weight, None, "silu"),
+                               triton_ops.conv_bwd(dy2, None, x2, weight, None, "silu")),
         # the split conv (backends with conv_splits; off in the shipped backends)
         "conv_split": lambda: (triton_ops.conv_fwd(x, weight, None, "silu", cu, split_sizes=sizes),
                                triton_ops.conv_bwd(list(dy.split(sizes, -1)), None, x, weight, None, "silu", cu)),
@@ -53,8 +57,16 @@ def layer_kernels(T=3000, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16):
 
 
 def loop_accesses(ptx: str) -> dict:
+    """Global accesses after the entry block: 2-byte ones, other one-element ones of at most 4 bytes (a 16-bit
+    row read two elements at a time shows as these; so do the packed path's per-token sequence index loads),
+    and vector ones (``.v2`` / ``.v4``)."""
     body = ptx[ptx.index("$L__BB"):] if "$L__BB" in ptx else ""
-    return {"scalar16_in_loop": len(SCALAR16.findall(body)), "vector_in_loop": len(VECTOR.findall(body))}
+    found = ACCESS.findall(body)
+    vector = [a for a in found if re.search(r"\.v[24]\.", a)]
+    scalar = [a for a in found if a not in vector]
+    return {"scalar16_in_loop": sum(bool(re.search(r"\.[bus]16$", a)) for a in scalar),
+            "scalar32_in_loop": sum(bool(re.search(r"\.[busf]32$", a)) for a in scalar),
+            "vector_in_loop": len(vector)}
 
 
 def negative_control():

@@ -31,3 +31,14 @@ def narrow_offsets(t, dims=(-1,)):
     if t is not None and any((t.shape[d] - 1) * abs(t.stride(d)) >= OFFSET_LIMIT for d in dims if t.shape[d]):
         return t.contiguous()
     return t
+
+
+def row_align(element_size: int, *strides: int) -> int:
+    """The largest power of 2 elements, at most 16 bytes' worth, that divides every stride (0 divides by
+    all): rows that start a multiple of it apart can be read as vectors of that many elements. A kernel
+    takes it as a ``tl.constexpr`` row hint (``tl.multiple_of``) where its strides are runtime arguments;
+    computed from strides that no token count changes, it compiles nothing new per packed length."""
+    align = max(1, 16 // element_size)
+    while align > 1 and any(s % align for s in strides):
+        align //= 2
+    return align

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .. import cu_cache
 from ._grid import programs
-from ._layout import narrow_offsets
+from ._layout import narrow_offsets, row_align
 
 # Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
@@ -78,7 +78,7 @@ def _tap(x, init, x_base, init_base, r, c, valid, near, stride_xt, stride_xc, st
 
     The state is read only when ``near`` (the block holds a position < 0): its channel stride is
     W-1, so these are scalar gathers that would otherwise cost more than the whole x tile.
-    ``ALIGN`` (``_x_align``): every row of x starts a multiple of ALIGN elements from x, which lets the
+    ``ALIGN`` (``_rows_align``): every row of x starts a multiple of ALIGN elements from x, which lets the
     compiler read rows as 16-byte vectors where Triton's own ``% 16`` specialisation of the row stride
     cannot tell (a row of ``C + 2 hv`` elements with hv not a multiple of 8).
     """
@@ -149,26 +149,38 @@ def _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, ne
 
 
 @triton.jit
-def _part_ptrs(p0, p1, p2, b, tok, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2):
+def _row(b, tok, sb, st, ALIGN: tl.constexpr):
+    """Offset of (batch row b, token ``tok`` [BLOCK_T, 1]) with batch / token strides ``sb``, ``st``; ``ALIGN``
+    (``_rows_align``): a multiple of ALIGN elements, so that rows are accessed as vectors."""
+    row = b * sb + tok * st
+    if ALIGN > 1:
+        row = tl.multiple_of(row, [ALIGN, ALIGN])
+    return row
+
+
+@triton.jit
+def _part_ptrs(p0, p1, p2, b, tok, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2, ALIGN: tl.constexpr):
     """Addresses of (batch row b, token ``tok``, column ``c``) of a ``[B, T, C]`` whole held as three
     parts ``[B, T, w_g]`` with strides ``(sb_g, st_g, sc_g)`` (part g has columns ``e_{g-1} .. e_g``,
     ``e_{-1} = 0``) in each part, and the column masks of the three parts. Each part is addressed with
     its own scalar strides (no select of pointers: a per-column pointer defeats vectorised access, and
     triton-ascend 3.2.0's ``triton-adapter-opt`` crashes on one)."""
-    a0 = p0 + b * sb0 + tok * st0 + c * sc0
-    a1 = p1 + b * sb1 + tok * st1 + (c - e0) * sc1
-    a2 = p2 + b * sb2 + tok * st2 + (c - e1) * sc2
+    a0 = p0 + _row(b, tok, sb0, st0, ALIGN) + c * sc0
+    a1 = p1 + _row(b, tok, sb1, st1, ALIGN) + (c - e0) * sc1
+    a2 = p2 + _row(b, tok, sb2, st2, ALIGN) + (c - e1) * sc2
     return a0, a1, a2, c < e0, (c >= e0) & (c < e1), c >= e1
 
 
 @triton.jit
 def _load_parts(p0, p1, p2, b, tok, c, mask, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2,
-                ACC: tl.constexpr, PARTS: tl.constexpr):
+                ACC: tl.constexpr, PARTS: tl.constexpr, ALIGN: tl.constexpr):
     """Values at (b, tok, c) of a ``[B, T, C]`` tensor given whole (``PARTS == 1``: ``p0``) or as three
-    parts (``_part_ptrs``), in ACC; 0 where not ``mask``. Three masked loads, one per part."""
+    parts (``_part_ptrs``), in ACC; 0 where not ``mask``. Three masked loads, one per part. ``ALIGN``:
+    ``_row``'s hint (1 where ``tok`` is not ``[BLOCK_T, 1]``)."""
     if PARTS == 1:
-        return tl.load(p0 + b * sb0 + tok * st0 + c * sc0, mask=mask, other=0.0).to(ACC)
-    a0, a1, a2, m0, m1, m2 = _part_ptrs(p0, p1, p2, b, tok, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2)
+        return tl.load(p0 + _row(b, tok, sb0, st0, ALIGN) + c * sc0, mask=mask, other=0.0).to(ACC)
+    a0, a1, a2, m0, m1, m2 = _part_ptrs(p0, p1, p2, b, tok, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2,
+                                        ALIGN)
     v = tl.load(a0, mask=mask & m0, other=0.0).to(ACC)
     v += tl.load(a1, mask=mask & m1, other=0.0).to(ACC)
     return v + tl.load(a2, mask=mask & m2, other=0.0).to(ACC)
@@ -176,13 +188,13 @@ def _load_parts(p0, p1, p2, b, tok, c, mask, e0, e1, sb0, st0, sc0, sb1, st1, sc
 
 @triton.jit
 def _store_parts(p0, p1, p2, b, tok, c, val, mask, e0, e1, sb0, st0, sc0, sb1, st1, sc1, sb2, st2, sc2,
-                 PARTS: tl.constexpr):
+                 PARTS: tl.constexpr, ALIGN: tl.constexpr):
     """Stores ``val`` at (b, tok, c) as ``_load_parts`` reads: three masked stores, one per part."""
     if PARTS == 1:
-        tl.store(p0 + b * sb0 + tok * st0 + c * sc0, val.to(p0.dtype.element_ty), mask=mask)
+        tl.store(p0 + _row(b, tok, sb0, st0, ALIGN) + c * sc0, val.to(p0.dtype.element_ty), mask=mask)
     else:
         a0, a1, a2, m0, m1, m2 = _part_ptrs(p0, p1, p2, b, tok, c, e0, e1, sb0, st0, sc0, sb1, st1, sc1,
-                                            sb2, st2, sc2)
+                                            sb2, st2, sc2, ALIGN)
         tl.store(a0, val.to(p0.dtype.element_ty), mask=mask & m0)
         tl.store(a1, val.to(p1.dtype.element_ty), mask=mask & m1)
         tl.store(a2, val.to(p2.dtype.element_ty), mask=mask & m2)
@@ -230,7 +242,7 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
                      stride_in, stride_ic, stride_ik,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                      SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                     PARTS: tl.constexpr, X_ALIGN: tl.constexpr):
+                     PARTS: tl.constexpr, X_ALIGN: tl.constexpr, Y_ALIGN: tl.constexpr):
     """y for token tiles p, p + P, ... (of the NT = ``cdiv(T, BLOCK_T) * B``; P programs on axis 0) and
     channel block ``program_id(1)``; a tile is tokens [tb*BLOCK_T, +BLOCK_T) of batch row b. y is
     written as the parts ``y, y1, y2`` split at columns ``e0, e1`` (``_store_parts``)."""
@@ -257,7 +269,7 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
         if SILU:
             z = z / (1.0 + tl.exp(-z))
         _store_parts(y, y1, y2, b, t[:, None], c[None, :], z, valid, e0, e1, sy0b, sy0t, sy0c, sy1b, sy1t, sy1c,
-                     sy2b, sy2t, sy2c, PARTS)
+                     sy2b, sy2t, sy2c, PARTS, Y_ALIGN)
 
 
 @triton.jit(do_not_specialize=["T", "N", "stride_xb"])
@@ -298,7 +310,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr,
-                    X_ALIGN: tl.constexpr):
+                    X_ALIGN: tl.constexpr, DY_ALIGN: tl.constexpr):
     """dz (the pre-activation's gradient) for token tiles p, p + P, ... (of NT), and the program's
     partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts). dy comes as the
     parts ``dy, dy1, dy2`` split at columns ``e0, e1`` (``_load_parts``).
@@ -334,7 +346,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
         c2, cm2 = c[None, :], cmask[None, :]
         valid = tmask[:, None] & cm2
         g = _load_parts(dy, dy1, dy2, b, t[:, None], c2, valid, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
-                        sd2b, sd2t, sd2c, ACC, PARTS)
+                        sd2b, sd2t, sd2c, ACC, PARTS, DY_ALIGN)
         g = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
                 stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                 W, HAS_BIAS, HAS_INIT, SILU, ACC, X_ALIGN)
@@ -445,7 +457,7 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
             rt = r + j
             at = kvalid & (rt >= 0) & (rt < length)
             g = _load_parts(dy, dy1, dy2, dy_b, dy_t0 + rt, c, at, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
-                            sd2b, sd2t, sd2c, ACC, PARTS)
+                            sd2b, sd2t, sd2c, ACC, PARTS, 1)
             dz = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, rt, c, at, True, cmask,
                      stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                      W, HAS_BIAS, True, SILU, ACC, 1)
@@ -458,13 +470,13 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
         tl.store(dinit + (n * C + c) * (W - 1) + k, acc.to(dinit.dtype.element_ty), mask=kvalid)
 
 
-def _x_align(x) -> int:
-    """The fwd and dz kernels' ``X_ALIGN``: elements per 16 bytes when every row of x ``[B, T, C]`` starts a
-    multiple of 16 bytes from x (the T stride, and the B stride when B > 1, multiples of it), else 1.
-    Packed (B == 1) it depends on the buffer's width only, never on T."""
-    vec = 16 // x.element_size()
-    strides = x.stride()[1:2] if x.shape[0] == 1 else x.stride()[:2]
-    return vec if vec > 1 and all(s % vec == 0 for s in strides) else 1
+def _rows_align(*tensors) -> int:
+    """The kernels' row hints (``X_ALIGN`` for x, ``Y_ALIGN`` / ``DY_ALIGN`` for y's / dy's parts): how many
+    elements (a power of 2, at most 16 bytes' worth) every row of each ``[B, T, C]`` tensor starts a
+    multiple of, from its T stride and, when B > 1, its B stride (``_layout.row_align``). Packed
+    (B == 1) it depends on the buffers' widths only, never on T."""
+    return row_align(tensors[0].element_size(),
+                     *(s for t in tensors for s in (t.stride()[1:2] if t.shape[0] == 1 else t.stride()[:2])))
 
 
 def _compute_dtype(*tensors):
@@ -542,8 +554,8 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
-            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=parts, X_ALIGN=_x_align(x),
-            num_warps=NUM_WARPS)
+            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=parts, X_ALIGN=_rows_align(x),
+            Y_ALIGN=_rows_align(*y_parts[:3]), num_warps=NUM_WARPS)
     final = None
     if output_final_state:
         final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
@@ -602,8 +614,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             T, dz_n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
-            BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=_x_align(x), num_warps=DZ_NUM_WARPS,
-            **flags)
+            BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=_rows_align(x),
+            DY_ALIGN=_rows_align(*dy_parts[:3]), num_warps=DZ_NUM_WARPS, **flags)
         _conv_dx_kernel[(programs(n_tiles, n_cb), n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS, **flags)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._grid import programs
-from ._layout import unit_last
+from ._layout import row_align, unit_last
 
 EPS = 1e-6
 BLOCK_M = 16
@@ -94,15 +94,12 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _row_align(*tensors) -> int:
-    """Elements per 16 bytes when every row of each ``[B, T, H, D]`` tensor starts a multiple of 16 bytes
-    from its first (``_strides`` all multiples of it), else 1: the kernels' ``ALIGN``, a hint that lets
-    them read rows as 16-byte vectors (their strides are runtime arguments, so the compiler cannot see
-    it; the pointers' own 16-byte alignment Triton specialises on). Packed (B == 1) it depends on the
-    layer's widths only, never on T."""
-    vec = 16 // tensors[0].element_size()
-    if vec <= 1 or any(s % vec for t in tensors for s in _strides(t)):
-        return 1
-    return vec
+    """The kernels' ``ALIGN``: how many elements (a power of 2, at most 16 bytes' worth) every row of each
+    ``[B, T, H, D]`` tensor starts a multiple of (``_strides``; ``_layout.row_align``), a hint that lets them
+    read rows as vectors (their strides are runtime arguments, so the compiler cannot see it; the pointers'
+    own 16-byte alignment Triton specialises on). Packed (B == 1) it depends on the layer's widths only,
+    never on T."""
+    return row_align(tensors[0].element_size(), *(s for t in tensors for s in _strides(t)))
 
 
 def _launch_args(x: torch.Tensor):

@@ -10,9 +10,9 @@ Shapes: ``x, z: [..., D]`` (same shape, ``stride(-1) == 1``), ``D <= 1024`` (any
 view when the strides allow (rows of a wider buffer are read in place), else by a copy. The kernels
 walk tiles of ``BLOCK_M`` rows by the whole ``D``; the grid is one axis of at most 65 535 programs
 (``_grid.py``), each looping over its tiles. ``N`` (the row count, M), the
-program count ``NB`` are runtime arguments (``do_not_specialize``): a new token
-count or packing compiles nothing. The row strides are specialised (Triton's ``== 1`` / ``% 16`` rule) so that
-rows are read as 16-byte vectors; they are the buffers' widths, which no token count changes. Block sizes depend on ``D`` only; one fixed config, no autotune.
+program count ``NB`` and the row strides are runtime arguments (``do_not_specialize``): a new token
+count or packing compiles nothing. ``ALIGN`` (``_rows_align``, from the buffers' widths) tells the compiler
+that rows start a multiple of that many elements apart, so that they are read as 16-byte vectors. Block sizes depend on ``D`` only; one fixed config, no autotune.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._grid import programs
-from ._layout import unit_last
+from ._layout import row_align, unit_last
 from ._math import cast_rne, compute_tl_dtype, rne, sigmoid, tl_dtype
 
 MAX_D = 1024
@@ -58,10 +58,19 @@ def _rstd(xv, eps, D: tl.constexpr):
     return 1.0 / tl.sqrt(tl.sum(xv * xv, 1) / D + eps)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit
+def _row_off(rows, stride, ALIGN: tl.constexpr):
+    """``rows [BLOCK_M] * stride`` as ``[BLOCK_M, 1]``, hinted a multiple of ``ALIGN`` (``_rows_align``)."""
+    off = rows[:, None] * stride
+    if ALIGN > 1:
+        off = tl.multiple_of(off, [ALIGN, ALIGN])
+    return off
+
+
+@triton.jit(do_not_specialize=["N", "stride_x", "stride_z"])
 def _norm_fwd_kernel(x, z, w, y, rstd, N, stride_x, stride_z, eps,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr):
+                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, ALIGN: tl.constexpr):
     """Grid ``(min(cdiv(N, BLOCK_M), 65535),)``; program p normalises row tiles p, p + P, ... of
     ``BLOCK_M`` rows (P programs).
 
@@ -74,8 +83,8 @@ def _norm_fwd_kernel(x, z, w, y, rstd, N, stride_x, stride_z, eps,
         rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
         m_r = rows < N
         mask = m_r[:, None] & m_c[None, :]
-        xv = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
-        zv = tl.load(z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        xv = tl.load(x + _row_off(rows, stride_x, ALIGN) + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        zv = tl.load(z + _row_off(rows, stride_z, ALIGN) + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
         r = _rstd(xv, eps, D)
         _, _, h = _forward_terms(xv, wv, r, x.dtype.element_ty, P_DTYPE, C_DTYPE)
         out = h * (zv * sigmoid(zv))
@@ -83,10 +92,10 @@ def _norm_fwd_kernel(x, z, w, y, rstd, N, stride_x, stride_z, eps,
         tl.store(rstd + rows, r.to(rstd.dtype.element_ty), mask=m_r)
 
 
-@triton.jit(do_not_specialize=["N", "NB"])
+@triton.jit(do_not_specialize=["N", "NB", "stride_dy", "stride_x", "stride_z"])
 def _norm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_part, N, NB, stride_dy, stride_x, stride_z, eps,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_RSTD: tl.constexpr):
+                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_RSTD: tl.constexpr, ALIGN: tl.constexpr):
     """Grid ``(NB,)``; program p takes row tiles p, p + NB, p + 2 NB, ... of ``BLOCK_M`` rows.
 
     Writes dx, dz (contiguous ``[N, D]``) of its rows and row p of ``dw_part [NB, D]`` (compute dtype),
@@ -101,9 +110,9 @@ def _norm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_part, N, NB, stride_dy, strid
         rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
         m_r = rows < N
         mask = m_r[:, None] & m_c[None, :]
-        xv = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
-        zv = tl.load(z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
-        dyv = tl.load(dy + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        xv = tl.load(x + _row_off(rows, stride_x, ALIGN) + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        zv = tl.load(z + _row_off(rows, stride_z, ALIGN) + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
+        dyv = tl.load(dy + _row_off(rows, stride_dy, ALIGN) + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
         if HAS_RSTD:
             r = tl.load(rstd + rows, mask=m_r, other=0.0).to(C_DTYPE)
         else:
@@ -122,6 +131,17 @@ def _norm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_part, N, NB, stride_dy, strid
         tl.store(dx + off, cast_rne(dxv, dx.dtype.element_ty), mask=mask)
         tl.store(dz + off, cast_rne(dzv, dz.dtype.element_ty), mask=mask)
     tl.store(dw_part + pid * D + cols, tl.sum(acc, 0), mask=m_c)
+
+
+def _rows_align(D: int, *rows: torch.Tensor) -> tuple:
+    """``(ALIGN, row strides)`` for the kernels: the row strides of the ``[M, D]`` views (0 for a single row,
+    whose stride torch renumbers by shape), and how many elements (a power of 2, at most 16 bytes' worth) they
+    are all multiples of (``_layout.row_align``; from D for a single row, as the layer's many-row calls
+    give). The strides are runtime arguments; ``ALIGN`` depends on the buffers' widths, never on M."""
+    if rows[0].shape[0] == 1:
+        return row_align(rows[0].element_size(), D), tuple(0 for _ in rows)
+    strides = tuple(r.stride(0) for r in rows)
+    return row_align(rows[0].element_size(), *strides), strides
 
 
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -163,9 +183,10 @@ def gated_rms_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
         return y, rstd
     x2, z2 = _rows(x, D), _rows(z, D)
     BLOCK_M, BLOCK_D, num_warps = _blocks(D, _TILE, _NUM_WARPS)
+    align, strides = _rows_align(D, x2, z2)
     _norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
-        x2, z2, weight.contiguous(), y, rstd, M, x2.stride(0), z2.stride(0), float(eps),
-        D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, num_warps=num_warps)
+        x2, z2, weight.contiguous(), y, rstd, M, *strides, float(eps),
+        D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, ALIGN=align, num_warps=num_warps)
     return y, rstd
 
 
@@ -198,11 +219,11 @@ def gated_rms_norm_bwd(dy, x, z, weight, rstd, eps):
         x2, z2, dy2 = _rows(x, D), _rows(z, D), _rows(dy, D)
         has_rstd = rstd is not None
         rstd = rstd.reshape(-1) if has_rstd else x2     # x2 stands in for an absent pointer
+        align, strides = _rows_align(D, dy2, x2, z2)
         _norm_bwd_kernel[(NB,)](
-            dy2, x2, z2, weight.contiguous(), rstd, dx, dz, dw_part, M, NB, dy2.stride(0), x2.stride(0),
-            z2.stride(0), float(eps),
+            dy2, x2, z2, weight.contiguous(), rstd, dx, dz, dw_part, M, NB, *strides, float(eps),
             D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, HAS_RSTD=has_rstd,
-            num_warps=num_warps)
+            ALIGN=align, num_warps=num_warps)
     return dx, dz, dw_part.sum(0).to(weight.dtype)
 
 
