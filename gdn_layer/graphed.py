@@ -32,7 +32,6 @@ inference mode, another shape or dtype of ``hidden_states``, more than ``max_num
 """
 from __future__ import annotations
 
-import numbers
 import warnings
 
 import torch
@@ -40,6 +39,7 @@ from torch import nn
 
 from gdn_layer.checks import check_local
 from gdn_layer.parallel import pad_cu_seqlens
+from gdn_layer.parallel.packing import positive_int
 
 
 def _cuda_capture(wrappers: tuple, samples: tuple) -> tuple:
@@ -215,14 +215,6 @@ def _layers_of(module: nn.Module) -> list:
     return [m for m in module.modules() if isinstance(m, GatedDeltaNet)]
 
 
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return int(value)
-
-
 def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int) -> list:
     """Capture every ``GatedDeltaNet`` in ``module`` (forward and backward) in CUDA graphs at one capacity.
 
@@ -265,8 +257,8 @@ def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int) -> li
     PyTorch issue #181723.
     """
     layers = _layers_of(module)
-    tokens = _check_positive_int("tokens", tokens)
-    max_num_seqs = _check_positive_int("max_num_seqs", max_num_seqs)
+    tokens = positive_int("tokens", tokens)
+    max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
     if max_num_seqs > tokens:
         raise ValueError(f"max_num_seqs must be at most tokens ({tokens}): a pack of {tokens} tokens holds at most "
                          f"{tokens} non-empty sequences, got {max_num_seqs}")

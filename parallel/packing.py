@@ -7,6 +7,8 @@ own trailing segment, so even the recurrent/conv state of every real sequence is
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.distributed as dist
 
@@ -77,6 +79,15 @@ def pad_for_sp(hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None, sp_
     return padded, None, pad_len
 
 
+def positive_int(name: str, value) -> int:
+    """``value`` as an int; TypeError unless it is an integer (not a bool), ValueError below 1 (naming ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
+
+
 def pad_cu_seqlens(cu_seqlens: torch.Tensor, max_num_seqs: int) -> torch.Tensor:
     """Pad packed boundaries to a fixed capacity of ``max_num_seqs`` sequences with empty segments.
 
@@ -104,10 +115,7 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, max_num_seqs: int) -> torch.Tensor:
         ValueError: cu_seqlens malformed (see ``check_cu_seqlens``); max_num_seqs < 1, or fewer than
             the N sequences cu_seqlens already holds.
     """
-    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int):
-        raise TypeError(f"max_num_seqs must be an int, got {type(max_num_seqs).__name__}")
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
     check_cu_seqlens(cu_seqlens, None)
     n = cu_seqlens.numel() - 1
     if n > max_num_seqs:

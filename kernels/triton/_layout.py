@@ -33,6 +33,17 @@ def narrow_offsets(t, dims=(-1,)):
     return t
 
 
+def row_strides(t, dims: int) -> tuple:
+    """The strides of t's first ``dims`` dims (those that address a row: B, T[, H]), B's as 0 when B == 1
+    (only row 0 is read then, so its stride neither matters nor depends on T)."""
+    return ((0 if t.shape[0] == 1 else t.stride(0)), *t.stride()[1:dims])
+
+
+def rows_align(tensors, dims: int) -> int:
+    """``row_align`` over the ``row_strides`` of every tensor (same element size): the kernels' row hint."""
+    return row_align(tensors[0].element_size(), *(s for t in tensors for s in row_strides(t, dims)))
+
+
 def row_align(element_size: int, *strides: int) -> int:
     """The largest power of 2 elements, at most 16 bytes' worth, that divides every stride (0 divides by
     all): rows that start a multiple of it apart can be read as vectors of that many elements. A kernel

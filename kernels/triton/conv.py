@@ -18,8 +18,8 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
   of tokens x channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the
   caches).
 - ``_conv_state_fwd_kernel``, over the N sequences x channel blocks: gathers ``final_state[n]``.
-- ``_conv_dz_kernel``, over its own tiles (``DZ_BLOCK_T`` or ``DZ_BLOCK_T_PLAIN`` x ``_dz_block_c(C)``): the pre-activation's
-  gradient dz (z recomputed from x; the forward saves nothing but its inputs) into a ``[B, T, C]``
+- ``_conv_dz_kernel``, over its own tiles (``DZ_BLOCK_T`` or ``DZ_BLOCK_T_PLAIN`` x ``_dz_block_c(C)``): the
+  pre-activation's gradient dz (z recomputed from x; the forward saves nothing but its inputs) into a ``[B, T, C]``
   scratch buffer, plus each
   program's partial sums of dweight and dbias over its tiles (summed over the programs in torch
   afterwards: deterministic, no atomics).
@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .. import cu_cache
 from ._grid import programs
-from ._layout import narrow_offsets, row_align
+from ._layout import narrow_offsets, rows_align
 
 # Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
@@ -78,9 +78,10 @@ def _tap(x, init, x_base, init_base, r, c, valid, near, stride_xt, stride_xc, st
 
     The state is read only when ``near`` (the block holds a position < 0): its channel stride is
     W-1, so these are scalar gathers that would otherwise cost more than the whole x tile.
-    ``ALIGN`` (``_rows_align``): every row of x starts a multiple of ALIGN elements from x, which lets the
-    compiler read rows as 16-byte vectors where Triton's own ``% 16`` specialisation of the row stride
-    cannot tell (a row of ``C + 2 hv`` elements with hv not a multiple of 8).
+    ``ALIGN`` (``_layout.rows_align``): every row of x starts a multiple of ALIGN elements from x, which lets
+    the compiler read rows as vectors where Triton's own ``% 16`` specialisation of the row stride cannot tell
+    (a row of ``C + 2 hv`` elements with hv not a multiple of 8). The hint is applied where the offset is
+    computed: on a jit helper's argument ``tl.multiple_of`` has no op to mark and is lost.
     """
     row = x_base + r * stride_xt
     if ALIGN > 1:
@@ -151,7 +152,7 @@ def _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, ne
 @triton.jit
 def _row(b, tok, sb, st, ALIGN: tl.constexpr):
     """Offset of (batch row b, token ``tok`` [BLOCK_T, 1]) with batch / token strides ``sb``, ``st``; ``ALIGN``
-    (``_rows_align``): a multiple of ALIGN elements, so that rows are accessed as vectors."""
+    (``_layout.rows_align``): a multiple of ALIGN elements, so that rows are accessed as vectors."""
     row = b * sb + tok * st
     if ALIGN > 1:
         row = tl.multiple_of(row, [ALIGN, ALIGN])
@@ -470,15 +471,6 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
         tl.store(dinit + (n * C + c) * (W - 1) + k, acc.to(dinit.dtype.element_ty), mask=kvalid)
 
 
-def _rows_align(*tensors) -> int:
-    """The kernels' row hints (``X_ALIGN`` for x, ``Y_ALIGN`` / ``DY_ALIGN`` for y's / dy's parts): how many
-    elements (a power of 2, at most 16 bytes' worth) every row of each ``[B, T, C]`` tensor starts a
-    multiple of, from its T stride and, when B > 1, its B stride (``_layout.row_align``). Packed
-    (B == 1) it depends on the buffers' widths only, never on T."""
-    return row_align(tensors[0].element_size(),
-                     *(s for t in tensors for s in (t.stride()[1:2] if t.shape[0] == 1 else t.stride()[:2])))
-
-
 def _compute_dtype(*tensors):
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -554,8 +546,8 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
-            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=parts, X_ALIGN=_rows_align(x),
-            Y_ALIGN=_rows_align(*y_parts[:3]), num_warps=NUM_WARPS)
+            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=parts, X_ALIGN=rows_align([x], 2),
+            Y_ALIGN=rows_align(y_parts[:3], 2), num_warps=NUM_WARPS)
     final = None
     if output_final_state:
         final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
@@ -614,8 +606,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             T, dz_n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
-            BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=_rows_align(x),
-            DY_ALIGN=_rows_align(*dy_parts[:3]), num_warps=DZ_NUM_WARPS, **flags)
+            BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=rows_align([x], 2),
+            DY_ALIGN=rows_align(dy_parts[:3], 2), num_warps=DZ_NUM_WARPS, **flags)
         _conv_dx_kernel[(programs(n_tiles, n_cb), n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS, **flags)

@@ -9,9 +9,10 @@ Grid: ``(min(cdiv(M, BLOCK_M), 65535),)`` (``_grid.py``); program p normalises r
 of ``BLOCK_M`` rows (P programs).
 ``l2norm_pair_fwd`` / ``l2norm_pair_bwd`` take q and k (same shape) in one launch: each program does
 its row tiles of both (``PAIR``); the backends normalise the gated delta rule's q and k so.
-Runtime (never specialised): ``M``, ``T``, ``H`` and every stride (the B stride passed as 0 when B == 1).
-Compile-time: ``D`` (head dim), the block sizes derived from it and ``ALIGN`` (``_row_align``: rows start
-16 bytes apart, so they are read as 16-byte vectors; from the H and T strides, never from T when B == 1).
+Runtime (never specialised): ``M``, ``T``, ``H`` and every stride (the B stride passed as 0 when B == 1,
+``_layout.row_strides``). Compile-time: ``D`` (head dim), the block sizes derived from it and ``ALIGN``
+(``_layout.rows_align``: rows start a multiple of that many elements apart, so they are read as vectors;
+from the H and T strides, never from T when B == 1).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._grid import programs
-from ._layout import row_align, unit_last
+from ._layout import row_strides, rows_align, unit_last
 
 EPS = 1e-6
 BLOCK_M = 16
@@ -30,7 +31,7 @@ BLOCK_M = 16
 def _load_rows(x, start, M, T, H, stride_b, stride_t, stride_h, eps, D: tl.constexpr, BD: tl.constexpr,
                BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     """Rows ``[start, start + BLOCK)`` of x (fp32, masked), their flat indices, the mask and 1 / ||row||.
-    ``ALIGN``: every row starts a multiple of ALIGN elements into x (``_row_align``)."""
+    ``ALIGN``: every row starts a multiple of ALIGN elements into x (``_layout.rows_align``)."""
     rows = start + tl.arange(0, BLOCK).to(tl.int64)
     cols = tl.arange(0, BD)
     h = rows % H
@@ -87,21 +88,6 @@ def _l2norm_bwd_kernel(x, dy, dx, x2, dy2, dx2, M, T, H, stride_b, stride_t, str
             _bwd_rows(x2, dy2, dx2, start, M, T, H, stride_b2, stride_t2, stride_h2, eps, D, BD, BLOCK, ALIGN)
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """The B, T and H strides the kernels take: B's is 0 when B == 1 (packed: row 0 only), so that it
-    neither depends on T nor breaks ``_row_align``."""
-    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1), t.stride(2)
-
-
-def _row_align(*tensors) -> int:
-    """The kernels' ``ALIGN``: how many elements (a power of 2, at most 16 bytes' worth) every row of each
-    ``[B, T, H, D]`` tensor starts a multiple of (``_strides``; ``_layout.row_align``), a hint that lets them
-    read rows as vectors (their strides are runtime arguments, so the compiler cannot see it; the pointers'
-    own 16-byte alignment Triton specialises on). Packed (B == 1) it depends on the layer's widths only,
-    never on T."""
-    return row_align(tensors[0].element_size(), *(s for t in tensors for s in _strides(t)))
-
-
 def _launch_args(x: torch.Tensor):
     B, T, H, D = x.shape
     return B * T * H, T, H, D, triton.next_power_of_2(D)
@@ -142,8 +128,8 @@ def l2norm_pair_fwd(q: torch.Tensor, k: torch.Tensor | None, eps: float = EPS):
     yk = yq if k is None else torch.empty(k2.shape, dtype=k2.dtype, device=k2.device)
     if M:
         _l2norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
-            q, yq, k2, yk, M, T, H, *_strides(q), *_strides(k2), eps, D=D, BD=BD, BLOCK=BLOCK_M,
-            PAIR=k is not None, ALIGN=_row_align(q, k2))
+            q, yq, k2, yk, M, T, H, *row_strides(q, 3), *row_strides(k2, 3), eps, D=D, BD=BD,
+            BLOCK=BLOCK_M, PAIR=k is not None, ALIGN=rows_align([q, k2], 3))
     return yq, (None if k is None else yk)
 
 
@@ -163,6 +149,6 @@ def l2norm_pair_bwd(q: torch.Tensor, dq: torch.Tensor, k: torch.Tensor | None, d
     dxk = dxq if k is None else torch.empty(k2.shape, dtype=k2.dtype, device=k2.device)
     if M:
         _l2norm_bwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
-            q, dq, dxq, k2, dk2, dxk, M, T, H, *_strides(q), *_strides(k2), eps, D=D, BD=BD, BLOCK=BLOCK_M,
-            PAIR=k is not None, ALIGN=_row_align(q, k2))
+            q, dq, dxq, k2, dk2, dxk, M, T, H, *row_strides(q, 3), *row_strides(k2, 3), eps, D=D, BD=BD,
+            BLOCK=BLOCK_M, PAIR=k is not None, ALIGN=rows_align([q, k2], 3))
     return dxq, (None if k is None else dxk)

@@ -12,7 +12,8 @@ walk tiles of ``BLOCK_M`` rows by the whole ``D``; the grid is one axis of at mo
 (``_grid.py``), each looping over its tiles. ``N`` (the row count, M), the
 program count ``NB`` and the row strides are runtime arguments (``do_not_specialize``): a new token
 count or packing compiles nothing. ``ALIGN`` (``_rows_align``, from the buffers' widths) tells the compiler
-that rows start a multiple of that many elements apart, so that they are read as 16-byte vectors. Block sizes depend on ``D`` only; one fixed config, no autotune.
+that rows start a multiple of that many elements apart, so that they are read as vectors. Block sizes
+depend on ``D`` only; one fixed config, no autotune.
 """
 from __future__ import annotations
 
