@@ -127,25 +127,37 @@ def bench(quick, sweep=False):
     print(f"copy bandwidth {bw:.2f} TB/s; floors: fwd {fwd_bytes / bw / 1e9:.3f} ms, bwd {bwd_bytes / bw / 1e9:.3f} ms")
     ref_ms = do_bench(lambda: reference.causal_conv1d(x, w, b, "silu", cu, init, True), return_mode="median")
     print(f"torch reference forward: {ref_ms:.3f} ms")
-    configs = [(conv.BLOCK_T, conv._block_c(C), conv.NUM_WARPS)] if quick else [
-        (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 64, 8), (128, 32, 4), (128, 64, 8), (32, 128, 4)]
+    # None: the shipped tiles (the forward's with bias or states, its plain one, the dx pass's); a config sets
+    # all three to one tile while the dz pass keeps its own
+    configs = [None] if quick else [
+        (32, 64, 4), (16, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 64, 8), (128, 32, 4), (128, 64, 8),
+        (32, 128, 4), (16, 128, 4), (32, 128, 8), (32, 256, 8), (16, 256, 4), (64, 256, 8)]
     rows = []
-    block_c, dz_block_c = conv._block_c, conv._dz_block_c
-    conv._dz_block_c = (lambda C, c=dz_block_c(C): c)     # (the dz pass keeps its tile while these change)
-    for bt, bc, nw in configs:
-        conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = bt, (lambda C, bc=bc: bc), nw
+    shipped = conv.BLOCK_T, conv.PLAIN_BLOCK_T, conv._block_c, conv._plain_block_c, conv.NUM_WARPS, conv._dz_block_c
+    conv._dz_block_c = (lambda C, c=conv._dz_block_c(C): c)     # (the dz pass keeps its tile while these change)
+    for config in configs:
+        if config is None:
+            bt, bc, nw = f"{conv.BLOCK_T}/{conv.PLAIN_BLOCK_T}", f"{conv._block_c(C)}/{conv._plain_block_c(C)}", conv.NUM_WARPS
+        else:
+            bt, bc, nw = config
+            conv.BLOCK_T = conv.PLAIN_BLOCK_T = bt
+            conv._block_c = conv._plain_block_c = (lambda C, bc=bc: bc)
+            conv.NUM_WARPS = nw
         try:
             f = do_bench(lambda: conv.causal_conv1d_fwd(x, w, b, cu, init, "silu", True), return_mode="median")
             bw_ms = do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu"), return_mode="median")
+            # the layer's variant in training: neither bias nor initial states, no final state
+            fp = do_bench(lambda: conv.causal_conv1d_fwd(x, w, None, cu, None, "silu", False), return_mode="median")
+            bp = do_bench(lambda: conv.causal_conv1d_bwd(dy, None, x, w, None, cu, None, "silu"), return_mode="median")
         except Exception as e:  # a config the compiler refuses (e.g. out of shared memory): report, go on
             print(f"block {bt} x {bc}, {nw} warps: failed ({type(e).__name__})")
             continue
-        rows.append((bt, bc, nw, f, bw_ms))
-    print("BLOCK_T BLOCK_C warps   fwd ms  (GB/s)   bwd ms  (GB/s)")
-    for bt, bc, nw, f, bw_ms in sorted(rows, key=lambda r: r[3] + r[4]):
-        print(f"{bt:7d} {bc:7d} {nw:5d} {f:8.3f} {fwd_bytes / f / 1e6:7.0f} {bw_ms:8.3f} {bwd_bytes / bw_ms / 1e6:7.0f}")
-    conv.BLOCK_T, conv._block_c, conv.NUM_WARPS = configs[0][0], block_c, configs[0][2]
-    conv._dz_block_c = dz_block_c
+        rows.append((bt, bc, nw, f, bw_ms, fp, bp))
+    print("BLOCK_T BLOCK_C warps   fwd ms  (GB/s)   bwd ms  (GB/s) | without bias and states: fwd ms  bwd ms")
+    for bt, bc, nw, f, bw_ms, fp, bp in sorted(rows, key=lambda r: r[5] + r[6]):
+        print(f"{bt:>7} {bc:>7} {nw:5d} {f:8.3f} {fwd_bytes / f / 1e6:7.0f} {bw_ms:8.3f} {bwd_bytes / bw_ms / 1e6:7.0f}"
+              f" | {fp:8.3f} {bp:8.3f}")
+    conv.BLOCK_T, conv.PLAIN_BLOCK_T, conv._block_c, conv._plain_block_c, conv.NUM_WARPS, conv._dz_block_c = shipped
     if hasattr(conv, "DZ_PROGRAMS") and not sweep:  # the dz pass's program count (dweight reduced once per program)
         default = conv.DZ_PROGRAMS
         for n in (1024, 2048, 4096, 8192, 16384, 65535):

@@ -6,7 +6,7 @@ conv state ``initial_state[n]``, zeros when None)::
     z_t = bias_c + sum_{i=0}^{W-1} weight[c, W-1-i] * xin_{t-i}        y_t = silu(z_t) or z_t
     final_state[n] = the last W-1 entries of [initial_state[n] | x_n]     (oldest first)
 
-Five kernels, all with one fixed config (block sizes from C and W only) and every length- or
+Five kernels, all with one fixed config (block sizes from C, W and the variant only) and every length- or
 count-derived argument (``T``, ``N``, tile counts, batch strides) a runtime argument in ``do_not_specialize``, so a new
 packed layout compiles nothing:
 
@@ -23,7 +23,7 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
   scratch buffer, plus each
   program's partial sums of dweight and dbias over its tiles (summed over the programs in torch
   afterwards: deterministic, no atomics).
-- ``_conv_dx_kernel``, the forward's tiles: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
+- ``_conv_dx_kernel``, over the plain forward's tiles: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
   instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
   spilled registers; the scratch round trip costs less.
 - ``_conv_state_bwd_kernel``, over the N sequences x channel blocks: ``d initial_state[n]``, with the
@@ -46,7 +46,14 @@ from ._layout import narrow_offsets, rows_align
 
 # Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
+# Session 16, after the 16-byte accesses (bench_triton_conv.py --sweep, 32k tokens): the layer's variant
+# (neither bias nor initial states) runs its forward in 0.401 ms with 16 x 128 tiles against 0.504 ms with
+# 32 x 64, and the backward (dz pass unchanged, dx pass on these tiles) in 1.200 against 1.326 ms; with bias
+# and initial states the forward is slower on 16 x 128 (1.264 against 1.019 ms). So the forward takes
+# PLAIN_BLOCK_T x 128-channel tiles without bias and initial states, BLOCK_T x 64 otherwise, and the dx pass
+# always the plain tiles.
 BLOCK_T = 32
+PLAIN_BLOCK_T = 16
 NUM_WARPS = 4
 # programs of the backward's dz pass over all channel blocks (it takes cdiv(tiles, programs) tiles each)
 DZ_PROGRAMS = 8192
@@ -67,8 +74,18 @@ def _block_c(C: int) -> int:
     return min(64, max(16, triton.next_power_of_2(C)))
 
 
+def _plain_block_c(C: int) -> int:
+    """Channel block of the plain forward and of the dx pass (``PLAIN_BLOCK_T`` tokens)."""
+    return min(128, max(16, triton.next_power_of_2(C)))
+
+
 def _dz_block_c(C: int) -> int:
     return _block_c(C)
+
+
+def _fwd_tile(C: int, plain: bool) -> tuple[int, int]:
+    """``(BLOCK_T, BLOCK_C)`` of the forward: the plain tile without bias and initial states."""
+    return (PLAIN_BLOCK_T, _plain_block_c(C)) if plain else (BLOCK_T, _block_c(C))
 
 
 @triton.jit
@@ -387,7 +404,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
 def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
                     W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx for the forward's tiles (p, p + P, ...): x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence),
+    """dx for token tiles p, p + P, ... (the plain forward's tiles): x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence),
     so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last W-1 tokens of each sequence.
 
     dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output).
@@ -538,15 +555,16 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     block_c = _block_c(C)
     n_cb = triton.cdiv(C, block_c)
     if B * T > 0 and C > 0:
-        n_tiles = triton.cdiv(T, BLOCK_T) * B
+        tile_t, tile_c = _fwd_tile(C, bias is None and initial_state is None)
+        n_tiles, n_tcb = triton.cdiv(T, tile_t) * B, triton.cdiv(C, tile_c)
         y_parts, parts = _as_parts(y, C)
-        _conv_fwd_kernel[(programs(n_tiles, n_cb), n_cb)](
+        _conv_fwd_kernel[(programs(n_tiles, n_tcb), n_tcb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, *y_parts,
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
-            SILU=silu, ACC=acc, BLOCK_T=BLOCK_T, BLOCK_C=block_c, PARTS=parts, X_ALIGN=rows_align([x], 2),
+            SILU=silu, ACC=acc, BLOCK_T=tile_t, BLOCK_C=tile_c, PARTS=parts, X_ALIGN=rows_align([x], 2),
             Y_ALIGN=rows_align(y_parts[:3], 2), num_warps=NUM_WARPS)
     final = None
     if output_final_state:
@@ -578,10 +596,10 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     dt = _compute_dtype(x, weight, bias, initial_state)
     acc = tl.float64 if dt == torch.float64 else tl.float32
     silu = activation in ("silu", "swish")
-    block_c, dz_block_c = _block_c(C), _dz_block_c(C)
-    n_cb, dz_n_cb = triton.cdiv(C, block_c), triton.cdiv(C, dz_block_c)
+    block_c, dz_block_c, dx_block_c = _block_c(C), _dz_block_c(C), _plain_block_c(C)
+    n_cb, dz_n_cb, dx_n_cb = triton.cdiv(C, block_c), triton.cdiv(C, dz_block_c), triton.cdiv(C, dx_block_c)
     dz_block_t = DZ_BLOCK_T if bias is not None or initial_state is not None else DZ_BLOCK_T_PLAIN
-    n_tiles, dz_n_tiles = triton.cdiv(T, BLOCK_T) * B, triton.cdiv(T, dz_block_t) * B
+    n_tiles, dz_n_tiles = triton.cdiv(T, PLAIN_BLOCK_T) * B, triton.cdiv(T, dz_block_t) * B
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
     n_prog = programs(min(dz_n_tiles, triton.cdiv(DZ_PROGRAMS, dz_n_cb)), dz_n_cb) if C > 0 else 0
@@ -608,9 +626,9 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
             BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=rows_align([x], 2),
             DY_ALIGN=rows_align(dy_parts[:3], 2), num_warps=DZ_NUM_WARPS, **flags)
-        _conv_dx_kernel[(programs(n_tiles, n_cb), n_cb)](
+        _conv_dx_kernel[(programs(n_tiles, dx_n_cb), dx_n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
-            HAS_DFINAL=dfinal is not None, BLOCK_T=BLOCK_T, BLOCK_C=block_c, num_warps=NUM_WARPS, **flags)
+            HAS_DFINAL=dfinal is not None, BLOCK_T=PLAIN_BLOCK_T, BLOCK_C=dx_block_c, num_warps=NUM_WARPS, **flags)
     dinit = None
     if initial_state is not None:
         dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)
