@@ -114,6 +114,9 @@ def layer_calls(T, N, empty=False, device="cpu", dtype=torch.bfloat16):
     conv_h0 = torch.empty(N, C, W - 1, device=device)
     y, fin = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, conv_h0, True)
     be.causal_conv1d_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, conv_h0)
+    # the layer in training: neither initial nor final state (the plain tiles of the forward and the dx pass)
+    y_plain, _ = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, None, False)
+    be.causal_conv1d_bwd(y_plain, None, mixed[..., :C], weight, None, "silu", cu, None)
     if SPLIT_CONV:   # the split conv's kernels (PARTS == 3), whatever the backend's conv_splits flag
         parts, fin = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, conv_h0, True,
                                       split_sizes=[HK * D, HK * D, HV * D])

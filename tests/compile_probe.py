@@ -65,6 +65,10 @@ def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=Tru
     triton_ops.conv_bwd([q, k, v], fin, mixed[..., :C], weight, None, "silu", cu, h0)
     y, fin = triton_ops.conv_fwd(mixed[..., :C], weight, None, "silu", cu, h0, True)
     triton_ops.conv_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, h0)
+    # the layer in training: a conv per part, neither initial nor final state (the plain tiles of both passes)
+    for xi, wi in zip(mixed[..., :C].split(sizes, -1), weight.split(sizes)):
+        yi, _ = triton_ops.conv_fwd(xi, wi, None, "silu", cu, None, False)
+        triton_ops.conv_bwd(yi, None, xi, wi, None, "silu", cu, None)
     a, b = mixed[..., C:C + Hv], mixed[..., C + Hv:]
     A_log, dt_bias = torch.randn(Hv), torch.randn(Hv)
     gate, beta = triton_ops.gate_fwd(a, b, A_log, dt_bias)

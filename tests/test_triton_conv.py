@@ -108,7 +108,8 @@ def test_dz_pass_over_batch_rows_without_bias_or_state(monkeypatch, W, dz_progra
 @pytest.mark.parametrize("dz_programs", [2, 8192])
 def test_dz_pass_tile_differs_from_the_dx_pass_tile(monkeypatch, dz_tile, dz_programs):
     """The dz pass has its own tile (DZ_BLOCK_T x _dz_block_c, DZ_NUM_WARPS): its grid and tile count are
-    its own, the dx pass reads its dz in its own (the plain forward's) tiles; packed over several channel blocks."""
+    its own, the dx pass (here with dfinal: the 32-token tiles) reads its dz in its own; packed over several
+    channel blocks."""
     bt, bc, nw = dz_tile
     monkeypatch.setattr(conv, "DZ_BLOCK_T", bt)
     monkeypatch.setattr(conv, "_dz_block_c", lambda C: bc)
@@ -120,8 +121,7 @@ def test_dz_pass_tile_differs_from_the_dx_pass_tile(monkeypatch, dz_tile, dz_pro
     assert_matches_reference(make_inputs(1, 150, 40, 4, cu=[0, 3, 40, 41, 150], seed=bt + bc), "silu")
     dz, dx = spies["_conv_dz_kernel"].kwargs[0], spies["_conv_dx_kernel"].kwargs[0]
     assert (dz["BLOCK_T"], dz["BLOCK_C"], dz["num_warps"]) == (bt, bc, nw)         # the dz pass: its own tile
-    assert (dx["BLOCK_T"], dx["BLOCK_C"], dx["num_warps"]) == (conv.PLAIN_BLOCK_T, conv._plain_block_c(40),
-                                                                conv.NUM_WARPS)
+    assert (dx["BLOCK_T"], dx["BLOCK_C"], dx["num_warps"]) == (conv.BLOCK_T, conv._block_c(40), conv.NUM_WARPS)
 
 
 @pytest.mark.parametrize("bias,init", [(False, False), (True, False), (False, True)])
@@ -137,11 +137,12 @@ def test_dz_pass_takes_the_plain_tile_without_bias_and_initial_states(monkeypatc
     assert spy.kwargs[0]["BLOCK_T"] == (8 if bias or init else 4)
 
 
-@pytest.mark.parametrize("bias,init", [(False, False), (True, False), (False, True)])
-def test_forward_takes_the_plain_tile_without_bias_and_initial_states(monkeypatch, bias, init):
+@pytest.mark.parametrize("bias,init,final", [(False, False, False), (True, False, False), (False, True, False),
+                                              (False, False, True)])
+def test_forward_takes_the_plain_tile_without_bias_and_initial_states(monkeypatch, bias, init, final):
     """The layer's conv in training has neither bias nor initial states: its forward takes ``PLAIN_BLOCK_T`` x
-    ``_plain_block_c`` tiles, any other variant ``BLOCK_T`` x ``_block_c``; the dx pass always the plain tile;
-    all match float64 over several token tiles and channel blocks."""
+    ``_plain_block_c`` tiles, any other variant ``BLOCK_T`` x ``_block_c``; the dx pass the plain tile unless
+    it adds a final state's gradient; all match float64 over several token tiles and channel blocks."""
     monkeypatch.setattr(conv, "BLOCK_T", 8)
     monkeypatch.setattr(conv, "PLAIN_BLOCK_T", 4)
     monkeypatch.setattr(conv, "_block_c", lambda C: 16)
@@ -150,10 +151,10 @@ def test_forward_takes_the_plain_tile_without_bias_and_initial_states(monkeypatc
     for name, spy in spies.items():
         monkeypatch.setattr(conv, name, spy)
     assert_matches_reference(make_inputs(1, 70, 40, 4, cu=[0, 5, 33, 70], bias=bias, init=init, seed=5), "silu",
-                             final=init)
+                             final=final)
     fwd, dx = spies["_conv_fwd_kernel"].kwargs[0], spies["_conv_dx_kernel"].kwargs[0]
     assert (fwd["BLOCK_T"], fwd["BLOCK_C"]) == ((8, 16) if bias or init else (4, 32))
-    assert (dx["BLOCK_T"], dx["BLOCK_C"]) == (4, 32)
+    assert (dx["BLOCK_T"], dx["BLOCK_C"]) == ((8, 16) if final else (4, 32))
 
 
 def test_channel_major_inputs_past_the_32_bit_column_offset_are_copied(monkeypatch):

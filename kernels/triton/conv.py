@@ -23,7 +23,7 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
   scratch buffer, plus each
   program's partial sums of dweight and dbias over its tiles (summed over the programs in torch
   afterwards: deterministic, no atomics).
-- ``_conv_dx_kernel``, over the plain forward's tiles: ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
+- ``_conv_dx_kernel``, over the plain forward's tiles (the other forward's with dfinal): ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
   instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
   spilled registers; the scratch round trip costs less.
 - ``_conv_state_bwd_kernel``, over the N sequences x channel blocks: ``d initial_state[n]``, with the
@@ -51,7 +51,7 @@ from ._layout import narrow_offsets, rows_align
 # 32 x 64, and the backward (dz pass unchanged, dx pass on these tiles) in 1.200 against 1.326 ms; with bias
 # and initial states the forward is slower on 16 x 128 (1.264 against 1.019 ms). So the forward takes
 # PLAIN_BLOCK_T x 128-channel tiles without bias and initial states, BLOCK_T x 64 otherwise, and the dx pass
-# always the plain tiles.
+# the plain tiles unless it adds dfinal (its 16 x 128 variant spills 8 bytes of registers on sm_90, 32 x 64 none).
 BLOCK_T = 32
 PLAIN_BLOCK_T = 16
 NUM_WARPS = 4
@@ -404,7 +404,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
 def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
                     W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx for token tiles p, p + P, ... (the plain forward's tiles): x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence),
+    """dx for token tiles p, p + P, ... (``_fwd_tile``'s, plain without dfinal): x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence),
     so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last W-1 tokens of each sequence.
 
     dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output).
@@ -596,10 +596,12 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     dt = _compute_dtype(x, weight, bias, initial_state)
     acc = tl.float64 if dt == torch.float64 else tl.float32
     silu = activation in ("silu", "swish")
-    block_c, dz_block_c, dx_block_c = _block_c(C), _dz_block_c(C), _plain_block_c(C)
+    block_c, dz_block_c = _block_c(C), _dz_block_c(C)
+    # the dx pass on the plain forward's tile; with dfinal on the other (16 x 128 spills 8 bytes there, 32 x 64 not)
+    dx_block_t, dx_block_c = _fwd_tile(C, dfinal is None)
     n_cb, dz_n_cb, dx_n_cb = triton.cdiv(C, block_c), triton.cdiv(C, dz_block_c), triton.cdiv(C, dx_block_c)
     dz_block_t = DZ_BLOCK_T if bias is not None or initial_state is not None else DZ_BLOCK_T_PLAIN
-    n_tiles, dz_n_tiles = triton.cdiv(T, PLAIN_BLOCK_T) * B, triton.cdiv(T, dz_block_t) * B
+    n_tiles, dz_n_tiles = triton.cdiv(T, dx_block_t) * B, triton.cdiv(T, dz_block_t) * B
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
     n_prog = programs(min(dz_n_tiles, triton.cdiv(DZ_PROGRAMS, dz_n_cb)), dz_n_cb) if C > 0 else 0
@@ -628,7 +630,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             DY_ALIGN=rows_align(dy_parts[:3], 2), num_warps=DZ_NUM_WARPS, **flags)
         _conv_dx_kernel[(programs(n_tiles, dx_n_cb), dx_n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
-            HAS_DFINAL=dfinal is not None, BLOCK_T=PLAIN_BLOCK_T, BLOCK_C=dx_block_c, num_warps=NUM_WARPS, **flags)
+            HAS_DFINAL=dfinal is not None, BLOCK_T=dx_block_t, BLOCK_C=dx_block_c, num_warps=NUM_WARPS, **flags)
     dinit = None
     if initial_state is not None:
         dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)
