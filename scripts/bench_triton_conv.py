@@ -137,7 +137,8 @@ def bench(quick, sweep=False):
     conv._dz_block_c = (lambda C, c=conv._dz_block_c(C): c)     # (the dz pass keeps its tile while these change)
     for config in configs:
         if config is None:
-            bt, bc, nw = f"{conv.BLOCK_T}/{conv.PLAIN_BLOCK_T}", f"{conv._block_c(C)}/{conv._plain_block_c(C)}", conv.NUM_WARPS
+            bt, bc = f"{conv.BLOCK_T}/{conv.PLAIN_BLOCK_T}", f"{conv._block_c(C)}/{conv._plain_block_c(C)}"
+            nw = conv.NUM_WARPS
         else:
             bt, bc, nw = config
             conv.BLOCK_T = conv.PLAIN_BLOCK_T = bt

@@ -23,8 +23,8 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
   scratch buffer, plus each
   program's partial sums of dweight and dbias over its tiles (summed over the programs in torch
   afterwards: deterministic, no atomics).
-- ``_conv_dx_kernel``, over the plain forward's tiles (the other forward's with dfinal): ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes
-  instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
+- ``_conv_dx_kernel``, over the plain forward's tiles (the other forward's with dfinal):
+  ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
   spilled registers; the scratch round trip costs less.
 - ``_conv_state_bwd_kernel``, over the N sequences x channel blocks: ``d initial_state[n]``, with the
   dz of the sequence's first W-1 tokens recomputed in fp32 (the scratch dz may be 16-bit).
@@ -404,8 +404,8 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
 def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
                     W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx for token tiles p, p + P, ... (``_fwd_tile``'s, plain without dfinal): x_p feeds z_{p+j} through weight[:, W-1-j] (j < W, same sequence),
-    so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last W-1 tokens of each sequence.
+    """dx for token tiles p, p + P, ... (``_fwd_tile``'s, plain without dfinal): x_p feeds z_{p+j} through
+    weight[:, W-1-j] (j < W, same sequence), so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last W-1 tokens of each sequence.
 
     dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output).
     """
