@@ -24,8 +24,9 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
   program's partial sums of dweight and dbias over its tiles (summed over the programs in torch
   afterwards: deterministic, no atomics).
 - ``_conv_dx_kernel``, over the plain forward's tiles (the other forward's with dfinal):
-  ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes instead of one: a fused pass had to recompute z at each of the W shifts (W^2 taps per element) and
-  spilled registers; the scratch round trip costs less.
+  ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes instead of one: a fused pass had to
+  recompute z at each of the W shifts (W^2 taps per element) and spilled registers; the scratch round trip
+  costs less.
 - ``_conv_state_bwd_kernel``, over the N sequences x channel blocks: ``d initial_state[n]``, with the
   dz of the sequence's first W-1 tokens recomputed in fp32 (the scratch dz may be 16-bit).
 
