@@ -84,8 +84,10 @@ def _dz_block_c(C: int) -> int:
     return _block_c(C)
 
 
-def _fwd_tile(C: int, plain: bool) -> tuple[int, int]:
-    """``(BLOCK_T, BLOCK_C)`` of the forward: the plain tile without bias and initial states."""
+def _tile_shape(C: int, plain: bool) -> tuple[int, int]:
+    """``(BLOCK_T, BLOCK_C)`` of the forward and the dx pass: the plain tile (``PLAIN_BLOCK_T`` x
+    ``_plain_block_c``) for the forward without bias and initial states and the dx pass without dfinal, else
+    ``BLOCK_T`` x ``_block_c``."""
     return (PLAIN_BLOCK_T, _plain_block_c(C)) if plain else (BLOCK_T, _block_c(C))
 
 
@@ -405,7 +407,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
 def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
                     W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx for token tiles p, p + P, ... (``_fwd_tile``'s, plain without dfinal): x_p feeds z_{p+j} through
+    """dx for token tiles p, p + P, ... (``_tile_shape``'s, plain without dfinal): x_p feeds z_{p+j} through
     weight[:, W-1-j] (j < W, same sequence), so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last W-1 tokens of each sequence.
 
     dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output).
@@ -556,7 +558,7 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     block_c = _block_c(C)
     n_cb = triton.cdiv(C, block_c)
     if B * T > 0 and C > 0:
-        tile_t, tile_c = _fwd_tile(C, bias is None and initial_state is None)
+        tile_t, tile_c = _tile_shape(C, bias is None and initial_state is None)
         n_tiles, n_tcb = triton.cdiv(T, tile_t) * B, triton.cdiv(C, tile_c)
         y_parts, parts = _as_parts(y, C)
         _conv_fwd_kernel[(programs(n_tiles, n_tcb), n_tcb)](
@@ -599,7 +601,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     silu = activation in ("silu", "swish")
     block_c, dz_block_c = _block_c(C), _dz_block_c(C)
     # the dx pass on the plain forward's tile; with dfinal on the other (16 x 128 spills 8 bytes there, 32 x 64 not)
-    dx_block_t, dx_block_c = _fwd_tile(C, dfinal is None)
+    dx_block_t, dx_block_c = _tile_shape(C, dfinal is None)
     n_cb, dz_n_cb, dx_n_cb = triton.cdiv(C, block_c), triton.cdiv(C, dz_block_c), triton.cdiv(C, dx_block_c)
     dz_block_t = DZ_BLOCK_T if bias is not None or initial_state is not None else DZ_BLOCK_T_PLAIN
     n_tiles, dz_n_tiles = triton.cdiv(T, dx_block_t) * B, triton.cdiv(T, dz_block_t) * B
