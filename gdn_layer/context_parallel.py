@@ -68,8 +68,7 @@ def mix_planned(layer, mixed, plan, state, output_state: bool, conv_initial_stat
     Shared by contiguous slices (``cp_token_mix``) and fragments of a load-balanced order
     (``gdn_layer.token_order.fragment_token_mix``). Same collectives, in the same order, on every rank."""
     conv0 = conv_initial_state(layer, mixed, plan, state)
-    q, k, v, a, b, conv_state = layer._conv(mixed, plan.cu_local, conv0, output_state)
-    g, beta = layer._gate(a, b)
+    q, k, v, g, beta, conv_state = layer._conv_gate(mixed, plan.cu_local, conv0, output_state)
     S0 = recurrent_initial_state(layer, (q, k, v, g, beta), plan, state)
     o, recurrent_state = layer._delta_rule(q, k, v, g, beta, plan.cu_local, S0, output_state)
     if not output_state:

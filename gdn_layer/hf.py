@@ -178,9 +178,9 @@ class HFOlmoHybridGatedDeltaNet(HFGatedDeltaNet):
             mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group)
         return mixed, z
 
-    def _gate(self, a, b):
-        g, beta = super()._gate(a, b)
-        return (g, beta * 2.0) if self.allow_neg_eigval else (g, beta)
+    def _conv_gate(self, mixed, cu, initial_state, output_state):
+        q, k, v, g, beta, conv_state = super()._conv_gate(mixed, cu, initial_state, output_state)
+        return q, k, v, g, (beta * 2.0 if self.allow_neg_eigval else beta), conv_state
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", allow_neg_eigval={self.allow_neg_eigval}"

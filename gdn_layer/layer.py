@@ -12,9 +12,8 @@ from gdn_layer import hf_blocks, kernels
 from gdn_layer.checks import check_config, check_inputs
 from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.derived import derived_from_sizes
-from gdn_layer.kernels import (causal_conv1d, causal_conv1d_split, chunk_gated_delta_rule, gdn_gate,
+from gdn_layer.kernels import (causal_conv1d, causal_conv1d_gate, chunk_gated_delta_rule, gdn_gate,
                                recurrent_gated_delta_rule)
-from gdn_layer.kernels.registry import backend_by_name, backend_name
 from gdn_layer.kernels.validation import skip_value_checks
 from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import (gather_heads, head_to_seq, partition_heads, project_seq_to_head, resolve_sp_group,
@@ -250,8 +249,8 @@ class GatedDeltaNet(nn.Module):
             elif self.cp_size > 1:  # this cp slice; states handed between slices
                 o, conv_state, recurrent_state = cp_token_mix(self, mixed, cu, state, output_state)
             else:
-                q, k, v, a, b, conv_state = self._conv(mixed, cu, self._local_conv_state(state), output_state)
-                g, beta = self._gate(a, b)
+                q, k, v, g, beta, conv_state = self._conv_gate(mixed, cu, self._local_conv_state(state),
+                                                               output_state)
                 o, recurrent_state = self._delta_rule(q, k, v, g, beta, cu, self._local_recurrent_state(state),
                                                       output_state)
         o = to_held_order(o, held)
@@ -322,52 +321,38 @@ class GatedDeltaNet(nn.Module):
         vh = self.heads.v_heads(self.sp_rank)
         return state.recurrent_state[:, vh.start:vh.stop]
 
-    def _conv(self, mixed, cu, initial_state, output_state):
+    def _conv_gate(self, mixed, cu, initial_state, output_state):
         """Causal conv + SiLU over the full T on this rank's channels, from ``initial_state`` (this rank's
-        channels, or None); split into q, k, v, a, b."""
+        channels, or None), and the gate ``g = -exp(A_log) softplus(a + dt_bias)`` (fp32, fp64 for fp64
+        weights), ``beta = sigmoid(b)`` of this rank's heads: ``(q, k, v, g, beta, conv_state)``."""
         C = self.local_conv_dim
         Dk, Dv = self.head_k_dim, self.head_v_dim
         hk, hv = self.heads.k_heads_per_rank, self.heads.v_heads_per_rank
         # [C, 1, W] -> [C, W] as a view (honours an accelerate hook on conv1d): a select or slice here would
         # cost a zero-filled [C, W] gradient and a copy each in the backward
         weight = conv_weight(self.conv1d).squeeze(1)
-        if self.sp_size > 1:
+        A_log, dt_bias = self.A_log, self.dt_bias
+        if self.sp_size > 1:   # (without SP no slice: its backward would zero-fill and copy a gradient)
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
+            vh = self.heads.v_heads(self.sp_rank)
+            A_log, dt_bias = A_log[vh.start:vh.stop], dt_bias[vh.start:vh.stop]
         widths = [hk * Dk, hk * Dk, hv * Dv]
-        conv = dict(activation="silu", cu_seqlens=cu, output_final_state=output_state, backend=self._backend)
-        if backend_by_name(backend_name(self._backend, mixed.device)).conv_splits:
-            # one custom op and one launch per pass for the q, k, v channels (read in place from mixed),
-            # writing q, k and v as three contiguous tensors, which the chunk kernels take as they are
-            x, a, b = mixed.split([C, hv, hv], -1)
-            (q, k, v), conv_state = causal_conv1d_split(x, weight, widths, None, initial_state=initial_state, **conv)
-        elif not _is_decode(mixed, cu):
-            # training / prefill: one conv per q, k, v channel group, each reading its slice of mixed in
-            # place and writing a contiguous output (one conv of all channels returns column slices, and v
-            # would be copied in the forward and again in the backward). One split of mixed and one of the
-            # weight: each backward writes the whole gradient with one concatenation (a split op run per
-            # part inside would concatenate dx once more)
-            *xs, a, b = mixed.split([*widths, hv, hv], -1)
-            states = [None] * 3 if initial_state is None else initial_state.split(widths, 1)
-            outs = [causal_conv1d(xi, wi, None, initial_state=si, **conv)
-                    for xi, wi, si in zip(xs, weight.split(widths), states)]
-            q, k, v = (o for o, _ in outs)
-            conv_state = torch.cat([st for _, st in outs], 1) if output_state else None
+        if not _is_decode(mixed, cu):
+            # training / prefill: one op reads q, k, v, a and b in place from mixed and writes q, k, v as three
+            # contiguous tensors (which the chunk kernels take as they are); its backward writes the whole
+            # gradient of mixed as one buffer, each kernel its own columns (kernels/api.py, causal_conv1d_gate)
+            (q, k, v), g, beta, conv_state = causal_conv1d_gate(
+                mixed, weight, A_log, dt_bias, widths, cu_seqlens=cu, initial_state=initial_state,
+                output_final_state=output_state, backend=self._backend)
         else:
             # decode (one token per sequence): one conv launch for all channels
             x, a, b = mixed.split([C, hv, hv], -1)
-            qkv, conv_state = causal_conv1d(x, weight, None, initial_state=initial_state, **conv)
+            qkv, conv_state = causal_conv1d(x, weight, None, cu_seqlens=cu, initial_state=initial_state,
+                                            output_final_state=output_state, backend=self._backend)
             q, k, v = qkv.split(widths, -1)
+            g, beta = gdn_gate(a, b, A_log, dt_bias, backend=self._backend)
         return (q.unflatten(-1, (hk, Dk)), k.unflatten(-1, (hk, Dk)), v.unflatten(-1, (hv, Dv)),
-                a, b, conv_state)
-
-    def _gate(self, a, b):
-        """``g = -exp(A_log) softplus(a + dt_bias)`` (fp32, fp64 for fp64 weights) and ``beta = sigmoid(b)``,
-        this rank's heads."""
-        A_log, dt_bias = self.A_log, self.dt_bias
-        if self.sp_size > 1:   # (without SP no slice: its backward would zero-fill and copy a gradient)
-            vh = self.heads.v_heads(self.sp_rank)
-            A_log, dt_bias = A_log[vh.start:vh.stop], dt_bias[vh.start:vh.stop]
-        return gdn_gate(a, b, A_log, dt_bias, backend=self._backend)
+                g, beta, conv_state)
 
     def _delta_rule(self, q, k, v, g, beta, cu, initial_state, output_state):
         """Recurrent kernel when every sequence has at most one token (decode), chunk kernel otherwise;

@@ -148,10 +148,58 @@ def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
     Raises:
         TypeError / ValueError naming the argument (non-tensors, non-floating dtypes, shapes, devices).
     """
+    _check_gate_inputs(a, b, A_log, dt_bias)
+    return ops.gdn_gate_op(a, b, A_log, dt_bias, backend_name(backend, a.device))
+
+
+def _check_gate_inputs(a, b, A_log, dt_bias) -> None:
     check_float_tensors(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     if a.dim() != 3 or a.shape != b.shape:
         raise ValueError(f"a and b must be [B, T, H] of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if tuple(t.shape) != (a.shape[-1],):
             raise ValueError(f"{name} must be [H] = [{a.shape[-1]}], got {tuple(t.shape)}")
-    return ops.gdn_gate_op(a, b, A_log, dt_bias, backend_name(backend, a.device))
+
+
+def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="silu", cu_seqlens=None,
+                       initial_state=None, output_final_state=False, backend="auto"):
+    """The layer's conv and gate from its pre-conv buffer ``[x | a | b]``, as one differentiable op:
+    ``causal_conv1d_split(x, weight, split_sizes, ...)`` (no bias) and ``gdn_gate(a, b, A_log, dt_bias)``.
+
+    Its backward returns the gradient of ``mixed`` as one buffer: on a backend with ``grads_into`` (the
+    CUDA and Ascend ones) the conv's dx passes and the gate's backward write their own columns of it, so no
+    ``[dx | da | db]`` concatenation runs (docs/kernels.md, "conv and gate").
+
+    Args:
+        mixed: ``[B, T, C + 2H]`` with C = ``sum(split_sizes)`` and H = ``A_log.shape[0]``: the conv's input
+            x, then a, then b (any strides on B and T; read in place).
+        weight: ``[C, W]``. A_log, dt_bias: ``[H]``.
+        split_sizes, activation, cu_seqlens, initial_state (``[N, C, W - 1]``), output_final_state, backend:
+            as ``causal_conv1d_split``.
+
+    Returns:
+        ``(ys, g, beta, final_state)``: ys a list of contiguous ``[B, T, size]`` in mixed's dtype, one per
+        entry of ``split_sizes``; g ``[B, T, H]`` fp32 (float64 when an input is float64); beta ``[B, T, H]``
+        in mixed's dtype; final_state ``[N, C, W - 1]`` (fp32, or float64) or None.
+
+    Raises:
+        TypeError / ValueError naming the argument: ``causal_conv1d_split``'s and ``gdn_gate``'s checks, and
+        ``mixed``'s width against ``split_sizes`` and H.
+    """
+    check_flags(output_final_state=output_final_state)
+    check_float_tensors(mixed=mixed, A_log=A_log)
+    if mixed.dim() != 3:
+        raise ValueError(f"mixed must be [B, T, C + 2H], got shape {tuple(mixed.shape)}")
+    if A_log.dim() != 1:
+        raise ValueError(f"A_log must be [H], got {tuple(A_log.shape)}")
+    H = A_log.shape[0]
+    C = mixed.shape[-1] - 2 * H
+    sizes = check_split_sizes(split_sizes, C,
+                              what=f"mixed.shape[-1] - 2 * A_log.shape[0] = {mixed.shape[-1]} - 2 * {H}")
+    x, a, b = mixed.split([C, H, H], -1)
+    _, cu = check_conv_inputs(x, weight, None, initial_state, cu_seqlens, activation)
+    _check_gate_inputs(a, b, A_log, dt_bias)
+    name = backend_name(backend, mixed.device)
+    *ys, g, beta, final = ops.conv_gate_op(mixed, weight, A_log, dt_bias, initial_state, cu, sizes,
+                                           _activation(activation), output_final_state, name)
+    return ys[:len(split_sizes)], g, beta, (final if output_final_state else None)

@@ -36,6 +36,11 @@ Ops (inputs already validated by ``api.py``; optional outputs come back as empty
   ``contiguous`` would give; one launch on a backend with ``conv_splits``, else one conv per part
 - ``gdn_gate``: ``(a, b, A_log, dt_bias, backend) -> (g [B,T,H] fp32|fp64, beta b.dtype)``
 - ``gated_rms_norm``: ``(x, z, weight, eps, backend) -> y x.dtype``
+- ``conv_gate``: the layer's conv and gate from its pre-conv buffer in one op, ``(mixed [B,T,C+2H], weight,
+  A_log, dt_bias, initial_state?, cu_seqlens?, split_sizes, activation, output_final_state, backend) ->
+  (y0, y1, y2, g, beta, final)`` (``causal_conv1d_split`` of ``mixed[..., :C]`` without bias, ``gdn_gate`` of
+  its last 2H columns); its backward returns one ``dmixed`` buffer, written in place by the kernels of a
+  backend with ``grads_into`` (no ``[dx | da | db]`` concatenation)
 """
 from __future__ import annotations
 
@@ -484,6 +489,106 @@ class _GdnGate(torch.autograd.Function):
 
 
 gdn_gate_op = _entry(_GdnGate, _gate_fwd_op)
+
+
+# ------------------------------------------------------------------------------------------------
+# conv and gate of the layer's pre-conv buffer, one op
+
+def _mixed_split(mixed: Tensor, split_sizes, A_log: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``mixed [B, T, C + 2H]`` as its views ``x [B, T, C]`` (C = sum of split_sizes), ``a``, ``b [B, T, H]``."""
+    H = A_log.shape[0]
+    return mixed.split([sum(split_sizes), H, H], -1)
+
+
+def _conv_gate(mixed: Tensor, weight: Tensor, A_log: Tensor, dt_bias: Tensor, initial_state: Optional[Tensor],
+               cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str, output_final_state: bool,
+               backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    x, a, b = _mixed_split(mixed, split_sizes, A_log)
+    *ys, final = _causal_conv1d_split(x, weight, None, initial_state, cu_seqlens, split_sizes, activation,
+                                      output_final_state, backend)
+    g, beta = _gdn_gate(a, b, A_log, dt_bias, backend)
+    return (*ys, g, beta, final)
+
+
+def _conv_gate_fake(mixed, weight, A_log, dt_bias, initial_state, cu_seqlens, split_sizes, activation,
+                    output_final_state, backend):
+    x, a, b = _mixed_split(mixed, split_sizes, A_log)
+    *ys, final = _causal_conv1d_split_fake(x, weight, None, initial_state, cu_seqlens, split_sizes, activation,
+                                           output_final_state, backend)
+    return (*ys, *_gdn_gate_fake(a, b, A_log, dt_bias, backend), final)
+
+
+def _conv_gate_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dg: Tensor, dbeta: Tensor, dfinal: Optional[Tensor],
+                   mixed: Tensor, weight: Tensor, A_log: Tensor, dt_bias: Tensor, initial_state: Optional[Tensor],
+                   cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str, output_final_state: bool,
+                   backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dmixed, dweight, dA_log, ddt_bias, dinitial)``. On a backend with ``grads_into`` the conv's dx
+    passes and the gate's backward write their columns of one ``dmixed`` buffer; otherwise the parts are
+    concatenated."""
+    impl = backend_by_name(backend)
+    x, a, b = _mixed_split(mixed, split_sizes, A_log)
+    if not impl.grads_into:
+        dx, dw, _, dh0 = _causal_conv1d_split_bwd(dy0, dy1, dy2, dfinal, x, weight, None, initial_state, cu_seqlens,
+                                                  activation, output_final_state, backend)
+        da, db, dA, ddt = _gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, backend)
+        return _distinct([torch.cat([dx, da, db], -1), dw, dA, ddt, dh0], dy0, dy1, dy2, dg, dbeta, dfinal,
+                         mixed, weight, A_log, dt_bias, initial_state)
+    dmixed = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)
+    dx, da, db = _mixed_split(dmixed, split_sizes, A_log)
+    kwargs = dict(activation=activation, cu=cu_seqlens)
+    if impl.conv_splits:
+        _, dw, _, dh0 = impl.causal_conv1d_bwd([dy0, dy1, dy2], dfinal, x, weight, None, initial_state=initial_state,
+                                               dx=dx, **kwargs)
+    else:   # one conv backward per non-empty part, as the forward ran it, each into its columns of dmixed
+        sizes = list(split_sizes)
+        dfs = [None] * 3 if dfinal is None else dfinal.split(sizes, 1)
+        dws, dh0s = [], []
+        for w, dy, df, dxi, (xi, wi, _, hi) in zip(sizes, (dy0, dy1, dy2), dfs, dx.split(sizes, -1),
+                                                   _split_inputs(sizes, x, weight, None, initial_state)):
+            if w:
+                _, dwi, _, dhi = impl.causal_conv1d_bwd(dy, df, xi, wi, None, initial_state=hi, dx=dxi, **kwargs)
+                dws.append(dwi)
+                dh0s.append(dhi)
+        dw = torch.cat(dws, 0) if dws else torch.zeros_like(weight)
+        if initial_state is not None:
+            dh0 = torch.cat(dh0s, 1) if dh0s else torch.zeros_like(initial_state)
+    _, _, dA, ddt = impl.gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=da, db=db)
+    grads = (dmixed, dw.to(weight.dtype), dA.to(A_log.dtype), ddt.to(dt_bias.dtype),
+             _empty_like_none(None if initial_state is None else dh0.to(initial_state.dtype), mixed))
+    return _distinct(grads, dy0, dy1, dy2, dg, dbeta, dfinal, mixed, weight, A_log, dt_bias, initial_state)
+
+
+_conv_gate_fwd_op = _define("conv_gate", _conv_gate, _conv_gate_fake)
+_conv_gate_bwd_op = _define("conv_gate_bwd", _conv_gate_bwd,
+                            lambda dy0, dy1, dy2, dg, dbeta, dfinal, mixed, weight, A_log, dt_bias, initial_state, *_:
+                            (mixed.new_empty(mixed.shape), weight.new_empty(weight.shape),
+                             A_log.new_empty(A_log.shape), dt_bias.new_empty(dt_bias.shape),
+                             mixed.new_empty(_EMPTY) if initial_state is None
+                             else initial_state.new_empty(initial_state.shape)))
+
+
+class _ConvGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mixed, weight, A_log, dt_bias, initial_state, cu_seqlens, split_sizes, activation,
+                output_final_state, backend):
+        ctx.save_for_backward(mixed, weight, A_log, dt_bias, initial_state, cu_seqlens)
+        ctx.args = (split_sizes, activation, output_final_state, backend)
+        return _conv_gate_fwd_op(mixed, weight, A_log, dt_bias, initial_state, cu_seqlens, split_sizes, activation,
+                                 output_final_state, backend)
+
+    @staticmethod
+    def backward(ctx, dy0, dy1, dy2, dg, dbeta, dfinal):
+        saved = ctx.saved_tensors
+        mixed, weight, A_log, dt_bias, initial_state, cu_seqlens = saved
+        split_sizes, activation, output_final_state, backend = ctx.args
+        # (an output that feeds nothing comes as zeros: the Function materialises None gradients)
+        grads = _conv_gate_bwd_op(dy0, dy1, dy2, dg, dbeta, dfinal if output_final_state else None, *saved,
+                                  split_sizes, activation, output_final_state, backend)
+        dmixed, dw, dA, ddt, dh0 = _first_order("conv_gate", grads, (dy0, dy1, dy2, dg, dbeta, dfinal, *saved[:5]))
+        return (dmixed, dw, dA, ddt, dh0 if initial_state is not None else None, None, None, None, None, None)
+
+
+conv_gate_op = _entry(_ConvGate, _conv_gate_fwd_op)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -52,6 +52,10 @@ class Backend:
     # many contiguous parts, and its ``causal_conv1d_bwd`` takes dy as such a list (one launch for the
     # layer's q, k and v; kernels/triton/conv.py). False: ``causal_conv1d_split`` runs one conv per part
     conv_splits: bool = False
+    # its ``causal_conv1d_bwd`` takes ``dx=`` and its ``gdn_gate_bwd`` ``da=``, ``db=``: column slices of one
+    # gradient buffer to write into (``ops.conv_gate``'s backward then concatenates nothing). False: the
+    # gradients come back as new tensors and are concatenated
+    grads_into: bool = False
     # run dense ``[B, T]`` delta-rule calls as a pack of B sequences of T tokens (exact): compiled
     # backends then build one (varlen) kernel variant per flag set instead of two
     dense_as_packed: bool = False

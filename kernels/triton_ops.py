@@ -25,9 +25,9 @@ def gate_fwd(a, b, A_log, dt_bias):
     return gdn_gate_fwd(a, b, A_log, dt_bias)
 
 
-def gate_bwd(dg, dbeta, a, b, A_log, dt_bias):
+def gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=None, db=None):
     from .triton.gate import gdn_gate_bwd
-    return gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias)
+    return gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da, db)
 
 
 def norm_fwd(x, z, weight, eps=1e-6):
@@ -46,6 +46,6 @@ def conv_fwd(x, weight, bias=None, activation="silu", cu=None, initial_state=Non
     return causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state, split_sizes)
 
 
-def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):
+def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None, dx=None):
     from .triton.conv import causal_conv1d_bwd
-    return causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation)
+    return causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation, dx)

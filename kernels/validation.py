@@ -246,12 +246,13 @@ def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation) ->
     return N, cu
 
 
-def check_split_sizes(split_sizes, C: int) -> list[int]:
-    """Validate ``causal_conv1d_split``'s ``split_sizes`` for C channels; returns them padded with zeros to 3."""
+def check_split_sizes(split_sizes, C: int, what: str = "x.shape[-1]") -> list[int]:
+    """Validate ``causal_conv1d_split``'s ``split_sizes`` for C channels (``what``: where C comes from, for
+    the message); returns them padded with zeros to 3."""
     if not isinstance(split_sizes, (list, tuple)) or not 1 <= len(split_sizes) <= 3 or any(
             isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in split_sizes):
         raise TypeError(f"split_sizes must be a list of 1 to 3 non-negative ints, got {split_sizes!r}")
     if sum(split_sizes) != C:
-        raise ValueError(f"split_sizes must sum to C = x.shape[-1] = {C}, got {list(split_sizes)} "
+        raise ValueError(f"split_sizes must sum to C = {what} = {C}, got {list(split_sizes)} "
                          f"(sum {sum(split_sizes)})")
     return [*split_sizes, *[0] * (3 - len(split_sizes))]

@@ -50,17 +50,20 @@ def alloc_only_backend(name: str = "null", conv_splits: bool | None = None) -> B
              [x.new_empty(*x.shape[:2], w) for w in split_sizes])
         return y, (x.new_empty(N, x.shape[2], weight.shape[1] - 1, dtype=torch.float32) if output_final_state else None)
 
-    def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None):
-        return E(x), E(weight), None, (None if initial_state is None else E(initial_state))
+    def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None, dx=None):
+        return (E(x) if dx is None else dx), E(weight), None, (None if initial_state is None else E(initial_state))
+
+    def gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=None, db=None):
+        return (E(a) if da is None else da), (E(b) if db is None else db), E(A_log), E(dt_bias)
 
     return Backend(
         name=name, chunk_gated_delta_rule=chunk, recurrent_gated_delta_rule=chunk, causal_conv1d=conv,
         gated_rms_norm=lambda x, z, weight, eps=1e-6: E(x), available=lambda d: (True, ""), priority=-1,
         gdn_gate=lambda a, b, A_log, dt_bias: (E(a, dtype=torch.float32), E(b)), chunk_gated_delta_rule_bwd=chunk_bwd,
         causal_conv1d_bwd=conv_bwd,
-        gdn_gate_bwd=lambda dg, dbeta, a, b, A_log, dt_bias: (E(a), E(b), E(A_log), E(dt_bias)),
+        gdn_gate_bwd=gate_bwd,
         gated_rms_norm_bwd=lambda dy, x, z, weight, eps=1e-6: (E(x), E(z), E(weight)), dense_as_packed=True,
-        conv_splits=conv_splits)
+        conv_splits=conv_splits, grads_into=True)
 
 
 class OpLog(TorchDispatchMode):

@@ -81,7 +81,7 @@ for spec in "$@"; do
     thread_ft)     step "$name" "$t" python3 "$R/scripts/probe_autograd_thread.py" --layer ft --T 8192 ;;
     null_cuda)     step "$name" "$t" python3 "$R/scripts/bench_null_backend.py" --device cuda ;;
     host_cost_fla) step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --layer fla --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --label fla --json "$OUT/host_cost_fla.json" ;;
-    tests_triton)  step "$name" "$t" python3 -m pytest -q -p no:cacheprovider "$R/tests/test_triton_conv.py" "$R/tests/test_triton_gate_norm.py" ;;
+    tests_triton)  step "$name" "$t" python3 -m pytest -q -p no:cacheprovider "$R/tests/test_triton_conv.py" "$R/tests/test_triton_gate_norm.py" "$R/tests/test_conv_gate.py" ;;
     tests_cuda)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda.py" -k "${K:-not nothing}" ;;
     max_tok)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --max-tokens ;;
     max_tok_auto)  TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --max-tokens --layers ours ;;

@@ -114,9 +114,11 @@ def layer_calls(T, N, empty=False, device="cpu", dtype=torch.bfloat16):
     conv_h0 = torch.empty(N, C, W - 1, device=device)
     y, fin = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, conv_h0, True)
     be.causal_conv1d_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, conv_h0)
-    # the layer in training: neither initial nor final state (the plain tiles of the forward and the dx pass)
+    # the layer in training (ops.conv_gate): neither initial nor final state (the plain tiles of the forward and
+    # the dx pass), the dx pass writing its columns of the pre-conv buffer's gradient, the gate's its last 2 HV
+    dmixed = torch.empty_like(mixed)
     y_plain, _ = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, None, False)
-    be.causal_conv1d_bwd(y_plain, None, mixed[..., :C], weight, None, "silu", cu, None)
+    be.causal_conv1d_bwd(y_plain, None, mixed[..., :C], weight, None, "silu", cu, None, dx=dmixed[..., :C])
     if SPLIT_CONV:   # the split conv's kernels (PARTS == 3), whatever the backend's conv_splits flag
         parts, fin = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, conv_h0, True,
                                       split_sizes=[HK * D, HK * D, HV * D])
@@ -124,7 +126,7 @@ def layer_calls(T, N, empty=False, device="cpu", dtype=torch.bfloat16):
     a, b = mixed[..., C:C + HV], mixed[..., C + HV:]
     A_log, dt_bias = torch.empty(HV, device=device), torch.empty(HV, device=device)
     gate, beta = be.gdn_gate(a, b, A_log, dt_bias)
-    be.gdn_gate_bwd(gate, beta, a, b, A_log, dt_bias)
+    be.gdn_gate_bwd(gate, beta, a, b, A_log, dt_bias, da=dmixed[..., C:C + HV], db=dmixed[..., C + HV:])
     q = y[..., :HK * D].unflatten(-1, (HK, D))
     k = y[..., HK * D:2 * HK * D].unflatten(-1, (HK, D))
     v = y[..., 2 * HK * D:].unflatten(-1, (HV, D))

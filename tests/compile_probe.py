@@ -47,6 +47,10 @@ def pretend_h200():
     torch.cuda.get_device_properties = lambda *a, **k: _H200Props()
     torch.cuda.current_device = lambda: 0
     torch.cuda.device_count = lambda: 1
+    # the CPU tensors stand in for CUDA ones: the launchers' CUDA-only choices follow (the gated norm rounds
+    # by the GPU's conversions there, a kernel variant of its own)
+    from gdn_layer.kernels.triton import norm
+    norm._hw_rne = lambda x: norm.HW_RNE
 
 
 def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=True, watch=contextlib.nullcontext):
@@ -65,14 +69,17 @@ def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=Tru
     triton_ops.conv_bwd([q, k, v], fin, mixed[..., :C], weight, None, "silu", cu, h0)
     y, fin = triton_ops.conv_fwd(mixed[..., :C], weight, None, "silu", cu, h0, True)
     triton_ops.conv_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, h0)
-    # the layer in training: a conv per part, neither initial nor final state (the plain tiles of both passes)
-    for xi, wi in zip(mixed[..., :C].split(sizes, -1), weight.split(sizes)):
+    # the layer in training (ops.conv_gate): a conv per part, neither initial nor final state (the plain tiles
+    # of both passes), each dx pass writing its columns of the pre-conv buffer's gradient, the gate's backward
+    # its last 2 Hv columns
+    dmixed = torch.empty_like(mixed)
+    for xi, wi, dxi in zip(mixed[..., :C].split(sizes, -1), weight.split(sizes), dmixed[..., :C].split(sizes, -1)):
         yi, _ = triton_ops.conv_fwd(xi, wi, None, "silu", cu, None, False)
-        triton_ops.conv_bwd(yi, None, xi, wi, None, "silu", cu, None)
+        triton_ops.conv_bwd(yi, None, xi, wi, None, "silu", cu, None, dx=dxi)
     a, b = mixed[..., C:C + Hv], mixed[..., C + Hv:]
     A_log, dt_bias = torch.randn(Hv), torch.randn(Hv)
     gate, beta = triton_ops.gate_fwd(a, b, A_log, dt_bias)
-    triton_ops.gate_bwd(gate, beta, a, b, A_log, dt_bias)
+    triton_ops.gate_bwd(gate, beta, a, b, A_log, dt_bias, da=dmixed[..., C:C + Hv], db=dmixed[..., C + Hv:])
     q, k, v = q.unflatten(-1, (Hk, D)), k.unflatten(-1, (Hk, D)), v.unflatten(-1, (Hv, D))
     state = torch.randn(N, Hv, D, D)
     z = torch.randn(1, T, Hv, D, dtype=dtype, generator=g)

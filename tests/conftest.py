@@ -40,7 +40,8 @@ def triton_cpu_backend():
         registry.backend_by_name("torch"), name="triton_cpu", priority=-1,
         causal_conv1d=triton_ops.conv_fwd, causal_conv1d_bwd=triton_ops.conv_bwd,
         gdn_gate=triton_ops.gate_fwd, gdn_gate_bwd=triton_ops.gate_bwd,
-        gated_rms_norm=triton_ops.norm_fwd, gated_rms_norm_bwd=triton_ops.norm_bwd, conv_splits=True)
+        gated_rms_norm=triton_ops.norm_fwd, gated_rms_norm_bwd=triton_ops.norm_bwd, conv_splits=True,
+        grads_into=True)
     registry.register_backend(b)
     yield b.name
     registry._BACKENDS.pop(b.name)

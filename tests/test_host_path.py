@@ -35,10 +35,9 @@ def alloc_only_backend(request):
 
 
 def conv_ops(backend: str) -> list[str]:
-    """The conv's custom ops in one layer forward+backward: one split op, or one conv per q, k, v part."""
-    if registry.backend_by_name(backend).conv_splits:
-        return ["gdn_layer::causal_conv1d_split", "gdn_layer::causal_conv1d_split_bwd"]
-    return 3 * ["gdn_layer::causal_conv1d", "gdn_layer::causal_conv1d_bwd"]
+    """The conv's and the gate's custom ops in one layer forward+backward: one ``conv_gate`` op each way, with
+    or without ``conv_splits`` (what differs is inside it)."""
+    return ["gdn_layer::conv_gate", "gdn_layer::conv_gate_bwd"]
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -60,28 +59,27 @@ def test_backward_builds_no_zero_filled_parameter_gradients(alloc_only_backend, 
     with skip_value_checks(), backward:
         loss.backward()
     assert layer.conv1d.weight.grad is not None and layer.A_log.grad is not None   # the backward did run
-    assert conv_ops(alloc_only_backend)[1] in backward.names and "gdn_layer::gdn_gate_bwd" in backward.names
+    assert conv_ops(alloc_only_backend)[1] in backward.names
     assert not ZERO_FILLS & set(forward.names), sorted(ZERO_FILLS & set(forward.names))
     assert not ZERO_FILLS & set(backward.names), sorted(ZERO_FILLS & set(backward.names))
 
 
 def test_one_layer_call_is_its_custom_ops_and_counted_by_the_benchmark(alloc_only_backend, monkeypatch, capsys):
-    """Forward + backward of a packed training call: one custom op each for the gate, the chunk rule and
-    the norm and their backwards, and the conv as one ``causal_conv1d_split`` (8 in all) or, without
-    ``conv_splits``, one ``causal_conv1d`` per q, k, v part (12: the shipped CUDA backends); the benchmark's
-    ``--count-ops`` (which follows the shipped flag) reports the same."""
+    """Forward + backward of a packed training call: one custom op each for the conv and gate
+    (``conv_gate``), the chunk rule and the norm, and their backwards: 6 in all, with or without
+    ``conv_splits`` (before ``conv_gate``: 8 with the flag, 12 without, as the CUDA backends ship); the
+    benchmark's ``--count-ops`` reports the same."""
     import bench_null_backend
-    from gdn_layer.kernels.fla_backend import CONV_SPLITS
     monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))   # (main() registers "null": undone after)
     monkeypatch.setattr(sys, "argv", ["bench_null_backend.py", "--T", "24", "--count-ops"])
     bench_null_backend.main()
     out = capsys.readouterr().out
-    assert f"(custom ops {8 if CONV_SPLITS else 12}: [" in out and f"'{conv_ops('null')[1]}'" in out, out
+    assert "(custom ops 6: [" in out and f"'{conv_ops('null')[1]}'" in out, out
     layer = GatedDeltaNet(64, 2, 4, 16, 16, backend=alloc_only_backend)
     x = torch.randn(1, 24, 64, requires_grad=True)
     names = bench_null_backend.dispatched_ops(lambda: layer(x, cu_seqlens=torch.tensor([0, 10, 24])).sum().backward())
     assert sorted(n for n in names if n.startswith("gdn_layer::")) == sorted(conv_ops(alloc_only_backend) + [
-        f"gdn_layer::{op}{suffix}" for op in ("gdn_gate", "chunk_gated_delta_rule", "gated_rms_norm")
+        f"gdn_layer::{op}{suffix}" for op in ("chunk_gated_delta_rule", "gated_rms_norm")
         for suffix in ("", "_bwd")])
 
 
@@ -108,4 +106,4 @@ def test_ops_skip_the_custom_op_wrappers(alloc_only_backend):
         finally:
             sys.setprofile(None)
     assert not seen, sorted(set(seen))
-    assert "gdn_layer::gdn_gate" in log.names and "gdn_layer::gdn_gate_bwd" in log.names
+    assert "gdn_layer::conv_gate" in log.names and "gdn_layer::conv_gate_bwd" in log.names

@@ -12,11 +12,16 @@ from gdn_layer import GatedDeltaNet
 from gdn_layer.kernels import registry
 
 
-@pytest.mark.parametrize("conv_splits", [False, True])   # one conv per part (as shipped), and the split kernels
+# one conv per part (as shipped), and the split kernels; the gradient of the pre-conv buffer written in place by
+# the kernels (as shipped), and concatenated
+@pytest.mark.parametrize("conv_splits", [False, True])
+@pytest.mark.parametrize("grads_into", [True, False])
 def test_the_triton_kernels_bound_as_the_cuda_backends_bind_them_match_the_torch_layer(triton_cpu_backend,
-                                                                                        conv_splits, monkeypatch):
+                                                                                        conv_splits, grads_into,
+                                                                                        monkeypatch):
     b = registry.backend_by_name(triton_cpu_backend)
-    monkeypatch.setitem(registry._BACKENDS, triton_cpu_backend, dataclasses.replace(b, conv_splits=conv_splits))
+    monkeypatch.setitem(registry._BACKENDS, triton_cpu_backend,
+                        dataclasses.replace(b, conv_splits=conv_splits, grads_into=grads_into))
     torch.manual_seed(0)
     ref = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
     with torch.no_grad():

@@ -23,7 +23,7 @@ import sys
 HERE = pathlib.Path(__file__).parent
 KERNELS = {"conv:_conv_fwd_kernel", "conv:_conv_dz_kernel", "conv:_conv_dx_kernel",
            "conv_dense:_conv_fwd_kernel", "conv_dense:_conv_dz_kernel", "conv_dense:_conv_dx_kernel",
-           "conv_split:_conv_fwd_kernel", "conv_split:_conv_dz_kernel",
+           "conv_split:_conv_fwd_kernel", "conv_split:_conv_dz_kernel", "conv_split:_conv_dx_kernel",
            "l2norm:_l2norm_fwd_kernel", "l2norm:_l2norm_bwd_kernel",
            "norm:_norm_fwd_kernel", "norm:_norm_bwd_kernel"}
 

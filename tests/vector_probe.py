@@ -42,12 +42,15 @@ def layer_kernels(T=3000, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16):
     q, k = (torch.randn(1, T, Hk, D, dtype=dtype, generator=g) for _ in range(2))
     o, z = (torch.randn(1, T, Hv, D, dtype=dtype, generator=g) for _ in range(2))
     norm_weight = torch.randn(D, dtype=dtype, generator=g)
+    # dx written into the columns of the pre-conv buffer's gradient, as the layer's conv_gate op does
+    dx = torch.empty(1, T, C + 2 * Hv, dtype=dtype)[..., :C]
+    dx2 = torch.empty(2, T // 2, C + 2 * Hv, dtype=dtype)[..., :C]
     return {
         "conv": lambda: (triton_ops.conv_fwd(x, weight, None, "silu", cu),
-                         triton_ops.conv_bwd(dy, None, x, weight, None, "silu", cu)),
+                         triton_ops.conv_bwd(dy, None, x, weight, None, "silu", cu, dx=dx)),
         # two rows, no cu_seqlens (a padded batch)
         "conv_dense": lambda: (triton_ops.conv_fwd(x2, weight, None, "silu"),
-                               triton_ops.conv_bwd(dy2, None, x2, weight, None, "silu")),
+                               triton_ops.conv_bwd(dy2, None, x2, weight, None, "silu", dx=dx2)),
         # the split conv (backends with conv_splits; off in the shipped backends)
         "conv_split": lambda: (triton_ops.conv_fwd(x, weight, None, "silu", cu, split_sizes=sizes),
                                triton_ops.conv_bwd(list(dy.split(sizes, -1)), None, x, weight, None, "silu", cu)),

@@ -35,9 +35,11 @@ def compute_tl_dtype(*tensors: torch.Tensor):
 
 @triton.jit
 def sigmoid(x):
-    """``1 / (1 + exp(-x))`` without overflow: ``exp`` only ever sees ``-|x|``."""
+    """``1 / (1 + exp(-x))`` without overflow: ``exp`` only ever sees ``-|x|``. One division (``e / (1 + e)``
+    for x < 0 as ``e * (1 / (1 + e))``, within an ulp of it): the gated norm is bound by its instructions."""
     e = tl.exp(-tl.abs(x))
-    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    r = 1.0 / (1.0 + e)
+    return tl.where(x >= 0, r, e * r)
 
 
 @triton.jit
@@ -65,6 +67,18 @@ def rne(x, DTYPE: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(x.dtype)
     else:
         return x.to(DTYPE).to(x.dtype)
+
+
+@triton.jit
+def rne_by(x, DTYPE: tl.constexpr, HW: tl.constexpr):
+    """``rne(x, DTYPE)``; with ``HW``, by the device's own conversion and back (``cvt.rn`` on CUDA: one
+    instruction each way, where ``rne``'s bit arithmetic for bfloat16 takes four or five). Launchers set
+    ``HW`` for CUDA tensors only: the interpreter truncates on that cast, and other devices' rounding is
+    not checked."""
+    if HW:
+        return x.to(DTYPE).to(x.dtype)
+    else:
+        return rne(x, DTYPE)
 
 
 @triton.jit

@@ -32,7 +32,8 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
 
 With ``cu`` (packed, B == 1) each token's sequence index comes from ``torch.searchsorted`` on the
 device (no host sync). x is read in place through its strides (typically a channel slice of a wider
-buffer); y and dx come back contiguous. Math in fp32, or in float64 when any input is float64.
+buffer); y comes back contiguous, dx contiguous or into a given column slice. Math in fp32, or in float64
+when any input is float64.
 The kernels use no CUDA-only intrinsics and run under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ import triton.language as tl
 
 from .. import cu_cache
 from ._grid import programs
-from ._layout import narrow_offsets, rows_align
+from ._layout import narrow_offsets, row_strides, rows_align
 
 # Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
@@ -172,8 +173,13 @@ def _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, ne
 @triton.jit
 def _row(b, tok, sb, st, ALIGN: tl.constexpr):
     """Offset of (batch row b, token ``tok`` [BLOCK_T, 1]) with batch / token strides ``sb``, ``st``; ``ALIGN``
-    (``_layout.rows_align``): a multiple of ALIGN elements, so that rows are accessed as vectors."""
-    row = b * sb + tok * st
+    (``_layout.rows_align``): a multiple of ALIGN elements, so that rows are accessed as vectors. The hint goes on
+    the token term too: packed, b is the constant 0, the sum folds away to that term, and a hint on the sum alone
+    would be lost with it."""
+    row = tok * st
+    if ALIGN > 1:
+        row = tl.multiple_of(row, [ALIGN, ALIGN])
+    row = b * sb + row
     if ALIGN > 1:
         row = tl.multiple_of(row, [ALIGN, ALIGN])
     return row
@@ -403,14 +409,16 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
                  mask=cmask[:, None] & (kw < W - 4)[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "NT"])
+@triton.jit(do_not_specialize=["T", "NT", "sdxb"])
 def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
-                    W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                    sdxb, sdxt, W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DX_ALIGN: tl.constexpr):
     """dx for token tiles p, p + P, ... (``_tile_shape``'s, plain without dfinal): x_p feeds z_{p+j} through
     weight[:, W-1-j] (j < W, same sequence), so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last W-1 tokens of each sequence.
 
-    dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output).
+    dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output); dx has batch / token strides ``sdxb``,
+    ``sdxt`` and unit channel stride (a column slice of a wider gradient buffer, or contiguous), ``DX_ALIGN``
+    its ``_row`` hint.
     """
     cw = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     w0, w1, w2, w3 = _w4(w, cw[None, :], (cw < C)[None, :], stride_wc, stride_ww, W, ACC)
@@ -436,7 +444,7 @@ def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_
                 k = W - 1 - (end - tt)  # x_p is final-state entry k when it is among the last W-1 tokens
                 acc += tl.load(dfinal + n_row * stride_dfn + c2 * stride_dfc + k * stride_dfk,
                                mask=valid & (k >= 0), other=0.0).to(ACC)
-        tl.store(dx + rows * C + c2, acc.to(dx.dtype.element_ty), mask=valid)
+        tl.store(dx + _row(b, tt, sdxb, sdxt, DX_ALIGN) + c2, acc.to(dx.dtype.element_ty), mask=valid)
 
 
 @triton.jit(do_not_specialize=["T", "N", "stride_xb", "sd0b", "sd1b", "sd2b"])
@@ -581,13 +589,17 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     return y, final
 
 
-def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation):
+def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation, dx=None):
     """Backward launcher: ``(dx, dweight, dbias, dinitial)``, each in its input's dtype.
 
     dy ``[B, T, C]``, or the list of ``[B, T, size]`` gradients of a ``split_sizes`` forward's outputs,
     and dfinal ``[N, C, W - 1]`` (or None) may have any strides. dbias is None
     without bias, dinitial None without initial_state. dweight and dbias are per-program partial sums
     of the dz pass, reduced in torch (deterministic).
+
+    dx: None (a new contiguous ``[B, T, C]`` comes back), or a ``[B, T, C]`` tensor of x's dtype with unit
+    channel stride to write dx into (a column slice of the layer's ``[q | k | v | a | b]`` gradient: no
+    concatenation afterwards); it comes back as the first result.
     """
     B, T, C = x.shape
     x = narrow_offsets(x)
@@ -608,7 +620,11 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
     n_prog = programs(min(dz_n_tiles, triton.cdiv(DZ_PROGRAMS, dz_n_cb)), dz_n_cb) if C > 0 else 0
-    dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    if dx is None:
+        dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    elif dx.shape != x.shape or dx.dtype != x.dtype or (C > 1 and dx.stride(2) != 1):
+        raise ValueError(f"dx must be [B, T, C] = {tuple(x.shape)} in {x.dtype} with unit channel stride, got "
+                         f"{tuple(dx.shape)} in {dx.dtype} with strides {dx.stride()}")
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
     # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
     # registers, and the fp32 initial-state gradient recomputes the dz it needs)
@@ -633,7 +649,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             DY_ALIGN=rows_align(dy_parts[:3], 2), num_warps=DZ_NUM_WARPS, **flags)
         _conv_dx_kernel[(programs(n_tiles, dx_n_cb), dx_n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
-            HAS_DFINAL=dfinal is not None, BLOCK_T=dx_block_t, BLOCK_C=dx_block_c, num_warps=NUM_WARPS, **flags)
+            *row_strides(dx, 2), HAS_DFINAL=dfinal is not None, BLOCK_T=dx_block_t, BLOCK_C=dx_block_c,
+            DX_ALIGN=rows_align([dx], 2), num_warps=NUM_WARPS, **flags)
     dinit = None
     if initial_state is not None:
         dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)

@@ -64,15 +64,18 @@ def _gate_fwd_kernel(a, b, A_log, dt_bias, g, beta, T, N, stride_ab, stride_at, 
 
 
 @triton.jit(do_not_specialize=["T", "N", "NB", "stride_ab", "stride_at", "stride_bb", "stride_bt",
-                               "stride_dgb", "stride_dgt", "stride_dbb", "stride_dbt"])
+                               "stride_dgb", "stride_dgt", "stride_dbb", "stride_dbt",
+                               "stride_dab", "stride_dat", "stride_d_bb", "stride_d_bt"])
 def _gate_bwd_kernel(dg, dbeta, a, b, A_log, dt_bias, da, db, dA_part, dbias_part, T, N, NB,
                      stride_ab, stride_at, stride_bb, stride_bt, stride_dgb, stride_dgt, stride_dbb, stride_dbt,
+                     stride_dab, stride_dat, stride_d_bb, stride_d_bt,
                      H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                      G_DTYPE: tl.constexpr, BETA_DTYPE: tl.constexpr,
                      HAS_DG: tl.constexpr, HAS_DBETA: tl.constexpr):
     """Grid ``(NB,)``; program p takes tiles p, p + NB, p + 2 NB, ... of ``BLOCK_T`` token rows.
 
-    Writes da, db for its rows and one row ``p`` of each partial-sum buffer ``[NB, H]``:
+    Writes da, db (batch / token strides ``stride_da*``, ``stride_d_b*``) for its rows and one row ``p`` of
+    each partial-sum buffer ``[NB, H]``:
     ``dA_part = -exp(A_log) * sum(dg * softplus(a + dt_bias))`` and ``dbias_part = sum(da)`` (the
     caller sums over p: a fixed order, so the result is deterministic). A missing dg (dbeta) gives
     zero da and partials (zero db).
@@ -87,7 +90,6 @@ def _gate_bwd_kernel(dg, dbeta, a, b, A_log, dt_bias, da, db, dA_part, dbias_par
     for start in range(pid * BLOCK_T, N, NB * BLOCK_T):
         rows = start + tl.arange(0, BLOCK_T).to(tl.int64)
         mask = (rows < N)[:, None] & m_h[None, :]
-        off_o = rows[:, None] * H + heads[None, :]
         if HAS_DG:
             off_a = _row_offsets(rows, T, stride_ab, stride_at)[:, None] + heads[None, :]
             off_dg = _row_offsets(rows, T, stride_dgb, stride_dgt)[:, None] + heads[None, :]
@@ -99,7 +101,8 @@ def _gate_bwd_kernel(dg, dbeta, a, b, A_log, dt_bias, da, db, dA_part, dbias_par
             acc_bias += dx
         else:
             dx = tl.zeros((BLOCK_T, BLOCK_H), dtype=G_DTYPE)
-        tl.store(da + off_o, cast_rne(dx, da.dtype.element_ty), mask=mask)
+        off_da = _row_offsets(rows, T, stride_dab, stride_dat)[:, None] + heads[None, :]
+        tl.store(da + off_da, cast_rne(dx, da.dtype.element_ty), mask=mask)
         if HAS_DBETA:
             off_b = _row_offsets(rows, T, stride_bb, stride_bt)[:, None] + heads[None, :]
             off_db = _row_offsets(rows, T, stride_dbb, stride_dbt)[:, None] + heads[None, :]
@@ -110,7 +113,8 @@ def _gate_bwd_kernel(dg, dbeta, a, b, A_log, dt_bias, da, db, dA_part, dbias_par
             dy = dbv * (1.0 - y) * y
         else:
             dy = tl.zeros((BLOCK_T, BLOCK_H), dtype=BETA_DTYPE)
-        tl.store(db + off_o, cast_rne(dy, db.dtype.element_ty), mask=mask)
+        off_db_out = _row_offsets(rows, T, stride_d_bb, stride_d_bt)[:, None] + heads[None, :]
+        tl.store(db + off_db_out, cast_rne(dy, db.dtype.element_ty), mask=mask)
     tl.store(dA_part + pid * H + heads, tl.sum(acc_A, 0) * neg_A, mask=m_h)
     tl.store(dbias_part + pid * H + heads, tl.sum(acc_bias, 0), mask=m_h)
 
@@ -146,25 +150,36 @@ def gdn_gate_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias:
     return g, beta
 
 
-def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias):
+def _out(out, like, name):
+    """``out`` checked as a gradient buffer for ``like`` (same shape and dtype, unit last stride), or a new one."""
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if out.shape != like.shape or out.dtype != like.dtype or (out.shape[-1] > 1 and out.stride(-1) != 1):
+        raise ValueError(f"{name} must be {tuple(like.shape)} in {like.dtype} with unit head stride, got "
+                         f"{tuple(out.shape)} in {out.dtype} with strides {out.stride()}")
+    return out
+
+
+def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=None, db=None):
     """Gradients of ``gdn_gate_fwd``: ``(da, db, dA_log, ddt_bias)``, each in its input's dtype.
 
     Args:
         dg: ``[B, T, H]`` grad of g, or None (then da, dA_log, ddt_bias are zero).
         dbeta: ``[B, T, H]`` grad of beta, or None (then db is zero).
         a, b, A_log, dt_bias: the forward's inputs (a, b with any strides on dims 0 and 1).
+        da, db: None, or ``[B, T, H]`` tensors of a's / b's dtype with unit head stride to write the
+            gradients into (column slices of the layer's ``[q | k | v | a | b]`` gradient).
 
     Returns:
-        da, db contiguous ``[B, T, H]``; dA_log, ddt_bias ``[H]``. The two ``[H]`` reductions over the
-        ``B * T`` rows are per-program partial sums (compute dtype) added by ``torch.sum`` in a fixed
-        order: deterministic, no atomics.
+        da, db ``[B, T, H]`` (new and contiguous, or the given ones); dA_log, ddt_bias ``[H]``. The two ``[H]``
+        reductions over the ``B * T`` rows are per-program partial sums (compute dtype) added by ``torch.sum``
+        in a fixed order: deterministic, no atomics.
     """
     B, T, H = a.shape
     a, b, A_log, dt_bias = unit_last(a, b, A_log, dt_bias)
     g_dt, beta_dt = _dtypes(a, b, A_log, dt_bias)
     acc_dtype = torch.float64 if g_dt == tl.float64 else torch.float32
-    da = torch.empty(B, T, H, dtype=a.dtype, device=a.device)
-    db = torch.empty(B, T, H, dtype=b.dtype, device=b.device)
+    da, db = _out(da, a, "da"), _out(db, b, "db")
     N = B * T
     BLOCK_T, BLOCK_H = _blocks(H)
     NB = min(triton.cdiv(N, BLOCK_T), _MAX_PROGRAMS)
@@ -179,6 +194,7 @@ def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias):
             dg, dbeta, a, b, A_log, dt_bias, da, db, dA_part, dbias_part, T, N, NB,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             dg.stride(0), dg.stride(1), dbeta.stride(0), dbeta.stride(1),
+            da.stride(0), da.stride(1), db.stride(0), db.stride(1),
             H=H, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, G_DTYPE=g_dt, BETA_DTYPE=beta_dt,
             HAS_DG=has_dg, HAS_DBETA=has_dbeta, num_warps=_NUM_WARPS)
     return da, db, dA_part.sum(0).to(A_log.dtype), dbias_part.sum(0).to(dt_bias.dtype)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ._grid import programs
 from ._layout import row_align, unit_last
-from ._math import cast_rne, compute_tl_dtype, rne, sigmoid, tl_dtype
+from ._math import compute_tl_dtype, rne_by, sigmoid, tl_dtype
 
 MAX_D = 1024
 # Elements per tile (BLOCK_M * BLOCK_D) of the forward and the backward, and their warps (None: 4 up to
@@ -36,6 +36,9 @@ _TILE = 1024
 _TILE_BWD = 2048
 _NUM_WARPS = 2
 _NUM_WARPS_BWD = 8
+# Round to x's (and weight's) dtype by the GPU's own conversions (``_math.rne_by``) on CUDA; False: by bit
+# arithmetic everywhere. Read at call time (scripts/bench_triton_norm.py times both).
+HW_RNE = True
 # Backward grid cap: bounds the [NB, D] partial dweight buffer; each program then loops over tiles.
 _MAX_PROGRAMS = 1024
 
@@ -46,11 +49,12 @@ def _blocks(D: int, tile: int, num_warps: int | None) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _forward_terms(xv, wv, rstd, x_ty: tl.constexpr, P_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr):
+def _forward_terms(xv, wv, rstd, x_ty: tl.constexpr, P_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr,
+                   HW_RNE: tl.constexpr):
     """``xhat``, ``t = round_x(xhat)`` and ``h = round_P(weight * t)``, all in the compute dtype."""
     xhat = xv * rstd[:, None]
-    t = rne(xhat, x_ty)
-    h = rne(wv[None, :] * t, P_DTYPE)
+    t = rne_by(xhat, x_ty, HW_RNE)
+    h = rne_by(wv[None, :] * t, P_DTYPE, HW_RNE)
     return xhat, t, h
 
 
@@ -71,7 +75,7 @@ def _row_off(rows, stride, ALIGN: tl.constexpr):
 @triton.jit(do_not_specialize=["N", "stride_x", "stride_z"])
 def _norm_fwd_kernel(x, z, w, y, rstd, N, stride_x, stride_z, eps,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, ALIGN: tl.constexpr):
+                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, ALIGN: tl.constexpr, HW_RNE: tl.constexpr):
     """Grid ``(min(cdiv(N, BLOCK_M), 65535),)``; program p normalises row tiles p, p + P, ... of
     ``BLOCK_M`` rows (P programs).
 
@@ -87,16 +91,18 @@ def _norm_fwd_kernel(x, z, w, y, rstd, N, stride_x, stride_z, eps,
         xv = tl.load(x + _row_off(rows, stride_x, ALIGN) + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
         zv = tl.load(z + _row_off(rows, stride_z, ALIGN) + cols[None, :], mask=mask, other=0.0).to(C_DTYPE)
         r = _rstd(xv, eps, D)
-        _, _, h = _forward_terms(xv, wv, r, x.dtype.element_ty, P_DTYPE, C_DTYPE)
+        _, _, h = _forward_terms(xv, wv, r, x.dtype.element_ty, P_DTYPE, C_DTYPE, HW_RNE)
         out = h * (zv * sigmoid(zv))
-        tl.store(y + rows[:, None] * D + cols[None, :], cast_rne(out, y.dtype.element_ty), mask=mask)
+        tl.store(y + rows[:, None] * D + cols[None, :], rne_by(out, y.dtype.element_ty, HW_RNE).to(y.dtype.element_ty),
+                 mask=mask)
         tl.store(rstd + rows, r.to(rstd.dtype.element_ty), mask=m_r)
 
 
 @triton.jit(do_not_specialize=["N", "NB", "stride_dy", "stride_x", "stride_z"])
 def _norm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_part, N, NB, stride_dy, stride_x, stride_z, eps,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_RSTD: tl.constexpr, ALIGN: tl.constexpr):
+                     C_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_RSTD: tl.constexpr, ALIGN: tl.constexpr,
+                     HW_RNE: tl.constexpr):
     """Grid ``(NB,)``; program p takes row tiles p, p + NB, p + 2 NB, ... of ``BLOCK_M`` rows.
 
     Writes dx, dz (contiguous ``[N, D]``) of its rows and row p of ``dw_part [NB, D]`` (compute dtype),
@@ -118,20 +124,25 @@ def _norm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_part, N, NB, stride_dy, strid
             r = tl.load(rstd + rows, mask=m_r, other=0.0).to(C_DTYPE)
         else:
             r = _rstd(xv, eps, D)
-        xhat, t, h = _forward_terms(xv, wv, r, x.dtype.element_ty, P_DTYPE, C_DTYPE)
+        xhat, t, h = _forward_terms(xv, wv, r, x.dtype.element_ty, P_DTYPE, C_DTYPE, HW_RNE)
         sig = sigmoid(zv)
         dzv = dyv * h * sig * (1.0 + zv * (1.0 - sig))
         # grads rounded where the reference's autograd rounds them (to the dtype of the tensor they
         # belong to): h lives in P, round_x(xhat) in x's dtype
-        dh = rne(dyv * (zv * sig), P_DTYPE)
-        acc += rne(dh * t, P_DTYPE)
-        dxhat = rne(dh * wv[None, :], x.dtype.element_ty)
+        dh = rne_by(dyv * (zv * sig), P_DTYPE, HW_RNE)
+        acc += rne_by(dh * t, P_DTYPE, HW_RNE)
+        dxhat = rne_by(dh * wv[None, :], x.dtype.element_ty, HW_RNE)
         # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (dxhat - xhat * mean(dxhat * xhat)); eps cancels
         dxv = (dxhat - xhat * (tl.sum(dxhat * xhat, 1) / D)[:, None]) * r[:, None]
         off = rows[:, None] * D + cols[None, :]
-        tl.store(dx + off, cast_rne(dxv, dx.dtype.element_ty), mask=mask)
-        tl.store(dz + off, cast_rne(dzv, dz.dtype.element_ty), mask=mask)
+        tl.store(dx + off, rne_by(dxv, dx.dtype.element_ty, HW_RNE).to(dx.dtype.element_ty), mask=mask)
+        tl.store(dz + off, rne_by(dzv, dz.dtype.element_ty, HW_RNE).to(dz.dtype.element_ty), mask=mask)
     tl.store(dw_part + pid * D + cols, tl.sum(acc, 0), mask=m_c)
+
+
+def _hw_rne(x: torch.Tensor) -> bool:
+    """Round by the device's conversions (``_math.rne_by``) on CUDA, when ``HW_RNE`` is on."""
+    return HW_RNE and x.is_cuda
 
 
 def _rows_align(D: int, *rows: torch.Tensor) -> tuple:
@@ -187,7 +198,8 @@ def gated_rms_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     align, strides = _rows_align(D, x2, z2)
     _norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
         x2, z2, weight.contiguous(), y, rstd, M, *strides, float(eps),
-        D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, ALIGN=align, num_warps=num_warps)
+        D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, ALIGN=align, HW_RNE=_hw_rne(x),
+        num_warps=num_warps)
     return y, rstd
 
 
@@ -224,7 +236,7 @@ def gated_rms_norm_bwd(dy, x, z, weight, rstd, eps):
         _norm_bwd_kernel[(NB,)](
             dy2, x2, z2, weight.contiguous(), rstd, dx, dz, dw_part, M, NB, *strides, float(eps),
             D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, HAS_RSTD=has_rstd,
-            ALIGN=align, num_warps=num_warps)
+            ALIGN=align, HW_RNE=_hw_rne(x), num_warps=num_warps)
     return dx, dz, dw_part.sum(0).to(weight.dtype)
 
 

@@ -1,0 +1,178 @@
+"""``causal_conv1d_gate``: the layer's conv and gate from its pre-conv buffer ``[x | a | b]`` as one op, whose
+backward hands back the buffer's gradient as one tensor (issue 23, item 1: the ``[dx | da | db]``
+concatenation, 0.28 ms per layer call at 32k on an H200).
+
+The oracle is the torch backend's ``causal_conv1d_split`` and ``gdn_gate`` run separately on the same float64
+values (outputs, final state, and the gradients of every input for random upstream gradients). The Triton
+kernels run under the interpreter on CPU, bound as the CUDA backends bind them (``triton_cpu_backend``).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from gdn_layer.kernels import causal_conv1d_gate, causal_conv1d_split, gdn_gate, registry, triton_ops
+
+SIZES, H, W = [8, 8, 16], 2, 4
+C = sum(SIZES)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # (the Triton kernels compiled there, interpreted here)
+
+
+def inputs(B=1, T=37, dtype=torch.float64, init=True, cu=(0, 5, 5, 37), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = B if cu is None else len(cu) - 1
+    mixed = torch.randn(B, T, C + 2 * H, generator=g).to(dtype)
+    inp = dict(mixed=mixed, weight=(torch.randn(C, W, generator=g) / 2).to(dtype),
+               A_log=torch.empty(H).uniform_(-3, 0, generator=g).to(dtype),
+               dt_bias=torch.randn(H, generator=g).to(dtype),
+               initial_state=torch.randn(N, C, W - 1, generator=g).to(dtype) if init else None,
+               cu=None if cu is None else torch.tensor(cu))
+    return {k: None if v is None else v.to(DEV) for k, v in inp.items()}
+
+
+def fused(inp, backend):
+    leaves = {k: v.clone().requires_grad_(True) for k, v in inp.items() if k != "cu" and v is not None}
+    ys, g, beta, final = causal_conv1d_gate(leaves["mixed"], leaves["weight"], leaves["A_log"], leaves["dt_bias"],
+                                            SIZES, cu_seqlens=inp["cu"], initial_state=leaves.get("initial_state"),
+                                            output_final_state=True, backend=backend)
+    return leaves, [*ys, g, beta, final]
+
+
+def separate(inp):
+    leaves = {k: v.clone().requires_grad_(True) for k, v in inp.items() if k != "cu" and v is not None}
+    x, a, b = leaves["mixed"].split([C, H, H], -1)
+    ys, final = causal_conv1d_split(x, leaves["weight"], SIZES, cu_seqlens=inp["cu"],
+                                    initial_state=leaves.get("initial_state"), output_final_state=True, backend="torch")
+    g, beta = gdn_gate(a, b, leaves["A_log"], leaves["dt_bias"], backend="torch")
+    return leaves, [*ys, g, beta, final]
+
+
+def grads(leaves, outs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)).sum() for o in outs)
+    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+
+@pytest.fixture(params=[("torch", False, False), ("triton", False, True), ("triton", True, True),
+                        ("triton", False, False)], ids=lambda p: f"{p[0]}-splits{int(p[1])}-into{int(p[2])}")
+def backend(request, triton_cpu_backend, monkeypatch):
+    """The torch backend, and our Triton kernels with and without ``conv_splits`` and ``grads_into`` (the
+    CUDA backends ship one conv per part, gradients written in place)."""
+    kind, conv_splits, grads_into = request.param
+    if kind == "torch":
+        return "torch"
+    b = registry.backend_by_name(triton_cpu_backend)
+    monkeypatch.setitem(registry._BACKENDS, triton_cpu_backend,
+                        dataclasses.replace(b, conv_splits=conv_splits, grads_into=grads_into))
+    return triton_cpu_backend
+
+
+@pytest.mark.parametrize("layout", ["packed", "packed_no_state", "dense"])
+def test_conv_gate_equals_the_split_conv_and_the_gate(backend, layout):
+    inp = inputs(**{"packed": {}, "packed_no_state": dict(init=False),
+                    "dense": dict(B=2, T=19, cu=None)}[layout])
+    leaves_f, outs_f = fused(inp, backend)
+    leaves_r, outs_r = separate(inp)
+    for o_f, o_r in zip(outs_f, outs_r):
+        torch.testing.assert_close(o_f, o_r, rtol=1e-10, atol=1e-12)
+    grads_f, grads_r = grads(leaves_f, outs_f), grads(leaves_r, outs_r)
+    assert set(grads_f) == set(grads_r)
+    for name in grads_f:
+        assert grads_f[name].abs().sum() > 0, name
+        torch.testing.assert_close(grads_f[name], grads_r[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_conv_gate_fp32_triton_against_float64(backend):
+    inp = inputs()
+    leaves_f, outs_f = fused({k: (v.float() if v is not None and v.is_floating_point() else v)
+                              for k, v in inp.items()}, backend)
+    leaves_r, outs_r = separate(inp)
+    for o_f, o_r in zip(outs_f, outs_r):
+        torch.testing.assert_close(o_f.double(), o_r, rtol=1e-5, atol=1e-5)
+    grads_f, grads_r = grads(leaves_f, outs_f), grads(leaves_r, outs_r)
+    for name in grads_f:
+        torch.testing.assert_close(grads_f[name].double(), grads_r[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("conv_splits", [False, True])
+def test_the_backward_writes_the_buffer_gradient_without_a_concatenation(triton_cpu_backend, monkeypatch,
+                                                                         conv_splits):
+    inp = inputs(init=False)
+    b = registry.backend_by_name(triton_cpu_backend)
+    seen, real_cat = {}, torch.cat
+    for grads_into in (True, False):   # False: the concatenation this op exists to avoid (the test can fail)
+        monkeypatch.setitem(registry._BACKENDS, triton_cpu_backend,
+                            dataclasses.replace(b, conv_splits=conv_splits, grads_into=grads_into))
+        leaves, outs = fused(inp, triton_cpu_backend)
+        sizes = []
+
+        def cat(tensors, *args, **kwargs):   # the ops call torch.cat (their kernels run below the dispatcher)
+            out = real_cat(tensors, *args, **kwargs)
+            sizes.append(out.numel())
+            return out
+
+        with monkeypatch.context() as m:
+            m.setattr(torch, "cat", cat)
+            grads(leaves, outs)
+        seen[grads_into] = [n for n in sizes if n > C * W]   # activation-sized ones (not the conv weight's)
+    assert seen[True] == [], seen
+    assert inp["mixed"].numel() in seen[False], seen
+
+
+@pytest.mark.parametrize("cu", [None, (0, 3, 3, 20)])
+def test_conv_dx_and_gate_grads_land_in_their_columns_only(cu):
+    B, T = (2, 10) if cu is None else (1, 20)
+    inp = inputs(B=B, T=T, dtype=torch.float32, init=False, cu=cu)
+    x, a, b = inp["mixed"].split([C, H, H], -1)
+    g = torch.Generator().manual_seed(3)
+    dy, dg, dbeta = (torch.randn(*x.shape[:2], n, generator=g).to(DEV) for n in (C, H, H))
+    cu_t = inp["cu"]
+    want_dx, want_dw, _, _ = triton_ops.conv_bwd(dy, None, x, inp["weight"], None, "silu", cu_t)
+    want_da, want_db, want_dA, want_ddt = triton_ops.gate_bwd(dg, dbeta, a, b, inp["A_log"], inp["dt_bias"])
+    sentinel = 7.25
+    buf = torch.full((B, T, C + 2 * H + 3), sentinel, device=DEV)     # 1 column before, 2 after: untouched
+    dx, da, db = buf[..., 1:1 + C], buf[..., 1 + C:1 + C + H], buf[..., 1 + C + H:1 + C + 2 * H]
+    got_dx, got_dw, _, _ = triton_ops.conv_bwd(dy, None, x, inp["weight"], None, "silu", cu_t, dx=dx)
+    got_da, got_db, got_dA, got_ddt = triton_ops.gate_bwd(dg, dbeta, a, b, inp["A_log"], inp["dt_bias"],
+                                                          da=da, db=db)
+    assert [t.data_ptr() for t in (got_dx, got_da, got_db)] == [t.data_ptr() for t in (dx, da, db)]
+    for got, want in ((dx, want_dx), (da, want_da), (db, want_db), (got_dw, want_dw), (got_dA, want_dA),
+                      (got_ddt, want_ddt)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (buf[..., 0] == sentinel).all() and (buf[..., -2:] == sentinel).all()
+
+
+def test_a_wrong_gradient_buffer_raises_before_any_kernel():
+    inp = inputs(dtype=torch.float32, init=False)
+    x, a, b = inp["mixed"].split([C, H, H], -1)
+    dy = torch.randn(*x.shape[:2], C, device=DEV)
+    with pytest.raises(ValueError, match="dx must be"):
+        triton_ops.conv_bwd(dy, None, x, inp["weight"], None, "silu", inp["cu"],
+                            dx=torch.empty(1, 37, C + 1, device=DEV))
+    with pytest.raises(ValueError, match="dx must be"):
+        triton_ops.conv_bwd(dy, None, x, inp["weight"], None, "silu", inp["cu"],
+                            dx=torch.empty(1, 37, C, dtype=torch.float64, device=DEV))
+    with pytest.raises(ValueError, match="dx must be"):   # channels not unit-stride
+        triton_ops.conv_bwd(dy, None, x, inp["weight"], None, "silu", inp["cu"],
+                            dx=torch.empty(1, C, 37, device=DEV).mT)
+    with pytest.raises(ValueError, match="db must be"):
+        triton_ops.gate_bwd(a, b, a, b, inp["A_log"], inp["dt_bias"], db=torch.empty(1, 37, H + 1, device=DEV))
+
+
+def test_conv_gate_names_the_argument_it_rejects():
+    inp = inputs(dtype=torch.float32)
+    m, w, A, dt = inp["mixed"], inp["weight"], inp["A_log"], inp["dt_bias"]
+    with pytest.raises(ValueError, match=r"split_sizes must sum to C = mixed.shape\[-1\] - 2 \* A_log"):
+        causal_conv1d_gate(m, w, A, dt, [8, 8, 15], cu_seqlens=inp["cu"])
+    with pytest.raises(TypeError, match="split_sizes"):
+        causal_conv1d_gate(m, w, A, dt, [8, 8, 16.0], cu_seqlens=inp["cu"])
+    with pytest.raises(ValueError, match="mixed must be"):
+        causal_conv1d_gate(m[0], w, A, dt, SIZES)
+    with pytest.raises(TypeError, match="mixed"):
+        causal_conv1d_gate(m.long(), w, A, dt, SIZES)
+    with pytest.raises(ValueError, match="dt_bias must be"):
+        causal_conv1d_gate(m, w, A, dt[:1], SIZES, cu_seqlens=inp["cu"])
+    with pytest.raises(ValueError, match="weight must be"):
+        causal_conv1d_gate(m, w[:-1], A, dt, SIZES, cu_seqlens=inp["cu"])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        causal_conv1d_gate(m, w, A, dt, SIZES, cu_seqlens=torch.tensor([0, 5, 36], device=DEV))
