@@ -61,7 +61,7 @@ for spec in "$@"; do
     compile_train) rm -rf /tmp/cc-train-t /tmp/cc-train-tl
                    TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --no-states --json "$OUT/compile_train.json" ;;
     vs_fla)        FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --T 8192 32768 131072 --docs 9 ;;
-    vs_fla_auto)   step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --T 8192 32768 131072 --docs 9 ;;
+    vs_fla_auto)   step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --T ${VS_T:-8192 32768 131072} --docs 9 ;;
     tests_fla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "not flash_qla" ;;
     tests_qla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "flash_qla" ;;
     tests_k)       step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "${K:?set K to a -k expression}" ;;
