@@ -168,19 +168,21 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
 
     Its backward returns the gradient of ``mixed`` as one buffer: on a backend with ``grads_into`` (the
     CUDA and Ascend ones) the conv's dx passes and the gate's backward write their own columns of it, so no
-    ``[dx | da | db]`` concatenation runs (docs/kernels.md, "conv and gate").
+    ``[dx | da | db]`` concatenation runs (docs/kernels.md, "Conv and gate as one op").
 
     Args:
         mixed: ``[B, T, C + 2H]`` with C = ``sum(split_sizes)`` and H = ``A_log.shape[0]``: the conv's input
             x, then a, then b (any strides on B and T; read in place).
         weight: ``[C, W]``. A_log, dt_bias: ``[H]``.
-        split_sizes, activation, cu_seqlens, initial_state (``[N, C, W - 1]``), output_final_state, backend:
-            as ``causal_conv1d_split``.
+        split_sizes, activation, cu_seqlens (``[N + 1]``, requires B == 1), initial_state (``[N, C, W - 1]``),
+            output_final_state, backend: as ``causal_conv1d_split``. No conv bias: for a conv with bias call
+            ``causal_conv1d_split`` and ``gdn_gate``.
 
     Returns:
         ``(ys, g, beta, final_state)``: ys a list of contiguous ``[B, T, size]`` in mixed's dtype, one per
-        entry of ``split_sizes``; g ``[B, T, H]`` fp32 (float64 when an input is float64); beta ``[B, T, H]``
-        in mixed's dtype; final_state ``[N, C, W - 1]`` (fp32, or float64) or None.
+        entry of ``split_sizes``; g ``[B, T, H]`` fp32 (float64 when mixed, A_log or dt_bias is float64);
+        beta ``[B, T, H]`` in mixed's dtype; final_state ``[N, C, W - 1]`` fp32 (float64 when mixed, weight or
+        initial_state is float64) or None.
 
     Raises:
         TypeError / ValueError naming the argument: ``causal_conv1d_split``'s and ``gdn_gate``'s checks, and
@@ -192,12 +194,15 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
         raise ValueError(f"mixed must be [B, T, C + 2H], got shape {tuple(mixed.shape)}")
     if A_log.dim() != 1:
         raise ValueError(f"A_log must be [H], got {tuple(A_log.shape)}")
+    check_float_tensors(dt_bias=dt_bias)
+    if dt_bias.shape != A_log.shape:
+        raise ValueError(f"dt_bias must be [H] like A_log, [{A_log.shape[0]}], got {tuple(dt_bias.shape)}")
     H = A_log.shape[0]
     C = mixed.shape[-1] - 2 * H
     sizes = check_split_sizes(split_sizes, C,
                               what=f"mixed.shape[-1] - 2 * A_log.shape[0] = {mixed.shape[-1]} - 2 * {H}")
     x, a, b = mixed.split([C, H, H], -1)
-    _, cu = check_conv_inputs(x, weight, None, initial_state, cu_seqlens, activation)
+    _, cu = check_conv_inputs(x, weight, None, initial_state, cu_seqlens, activation, x_name="mixed[..., :C]")
     _check_gate_inputs(a, b, A_log, dt_bias)
     name = backend_name(backend, mixed.device)
     *ys, g, beta, final = ops.conv_gate_op(mixed, weight, A_log, dt_bias, initial_state, cu, sizes,

@@ -200,9 +200,10 @@ def check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tup
     return N, Hv // Hk, cu
 
 
-def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation) -> tuple[int, torch.Tensor | None]:
-    """Validate ``causal_conv1d`` inputs; returns ``(N, cu)``."""
-    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("initial_state", initial_state)):
+def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation,
+                      x_name: str = "x") -> tuple[int, torch.Tensor | None]:
+    """Validate ``causal_conv1d`` inputs; returns ``(N, cu)``. ``x_name``: what the caller calls x (in messages)."""
+    for name, t in ((x_name, x), ("weight", weight), ("bias", bias), ("initial_state", initial_state)):
         if t is None and name in ("bias", "initial_state"):
             continue
         if not isinstance(t, torch.Tensor):
@@ -210,22 +211,23 @@ def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation) ->
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if x.dim() != 3:
-        raise ValueError(f"x must be [B, T, C], got shape {tuple(x.shape)}")
+        raise ValueError(f"{x_name} must be [B, T, C], got shape {tuple(x.shape)}")
     B, T, C = x.shape
     if B == 0 or C == 0:
-        raise ValueError(f"x must have a positive batch size and channel count, got shape {tuple(x.shape)}")
+        raise ValueError(f"{x_name} must have a positive batch size and channel count, got shape {tuple(x.shape)}")
     if weight.dim() == 3 and weight.shape[1] == 1:
         raise ValueError(f"weight must be [C, W]; squeeze nn.Conv1d's [C, 1, W] weight first (got {tuple(weight.shape)})")
     if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
-        raise ValueError(f"weight must be [C, W] with C = x.shape[-1] = {C} and W >= 1, got {tuple(weight.shape)}")
+        raise ValueError(f"weight must be [C, W] with C = {x_name}.shape[-1] = {C} and W >= 1, got "
+                         f"{tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (C,):
         raise ValueError(f"bias must be [C] = [{C}], got {tuple(bias.shape)}")
     if activation not in (None, "silu", "swish", "identity"):
         raise ValueError(f"activation must be 'silu', 'swish', 'identity' or None, got {activation!r}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+            raise ValueError(f"{name} is on {t.device} but {x_name} is on {x.device}")
+    for name, t in ((x_name, x), ("weight", weight), ("bias", bias)):
         check_no_nan(name, t)
     cu = None
     if cu_seqlens is not None:
@@ -241,7 +243,7 @@ def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation) ->
             raise ValueError(f"initial_state (conv state) must be [N, C, W-1] = {(N, C, W - 1)}, "
                              f"got {tuple(initial_state.shape)}")
         if initial_state.device != x.device:
-            raise ValueError(f"initial_state is on {initial_state.device} but x is on {x.device}")
+            raise ValueError(f"initial_state is on {initial_state.device} but {x_name} is on {x.device}")
         check_no_nan("initial_state", initial_state)
     return N, cu
 
@@ -251,7 +253,7 @@ def check_split_sizes(split_sizes, C: int, what: str = "x.shape[-1]") -> list[in
     the message); returns them padded with zeros to 3."""
     if not isinstance(split_sizes, (list, tuple)) or not 1 <= len(split_sizes) <= 3 or any(
             isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in split_sizes):
-        raise TypeError(f"split_sizes must be a list of 1 to 3 non-negative ints, got {split_sizes!r}")
+        raise TypeError(f"split_sizes must be a list or tuple of 1 to 3 non-negative ints, got {split_sizes!r}")
     if sum(split_sizes) != C:
         raise ValueError(f"split_sizes must sum to C = {what} = {C}, got {list(split_sizes)} "
                          f"(sum {sum(split_sizes)})")

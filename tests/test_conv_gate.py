@@ -172,7 +172,9 @@ def test_conv_gate_names_the_argument_it_rejects():
         causal_conv1d_gate(m.long(), w, A, dt, SIZES)
     with pytest.raises(ValueError, match="dt_bias must be"):
         causal_conv1d_gate(m, w, A, dt[:1], SIZES, cu_seqlens=inp["cu"])
-    with pytest.raises(ValueError, match="weight must be"):
+    with pytest.raises(ValueError, match=r"dt_bias must be \[H\] like A_log"):   # (not a split_sizes error)
+        causal_conv1d_gate(m, w, torch.cat([A, A]), dt, SIZES, cu_seqlens=inp["cu"])
+    with pytest.raises(ValueError, match=r"weight must be \[C, W\] with C = mixed\[\.\.\., :C\]"):
         causal_conv1d_gate(m, w[:-1], A, dt, SIZES, cu_seqlens=inp["cu"])
     with pytest.raises(ValueError, match="cu_seqlens must be 1-D"):   # (a shape rule: checked on every device)
         causal_conv1d_gate(m, w, A, dt, SIZES, cu_seqlens=torch.tensor([[0, 5, 37]], device=DEV))
