@@ -189,12 +189,11 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
         ``mixed``'s width against ``split_sizes`` and H.
     """
     check_flags(output_final_state=output_final_state)
-    check_float_tensors(mixed=mixed, A_log=A_log)
+    check_float_tensors(mixed=mixed, weight=weight, A_log=A_log, dt_bias=dt_bias)
     if mixed.dim() != 3:
         raise ValueError(f"mixed must be [B, T, C + 2H], got shape {tuple(mixed.shape)}")
-    if A_log.dim() != 1:
-        raise ValueError(f"A_log must be [H], got {tuple(A_log.shape)}")
-    check_float_tensors(dt_bias=dt_bias)
+    if A_log.dim() != 1 or A_log.shape[0] == 0:
+        raise ValueError(f"A_log must be [H] with H >= 1, got {tuple(A_log.shape)}")
     if dt_bias.shape != A_log.shape:
         raise ValueError(f"dt_bias must be [H] like A_log, [{A_log.shape[0]}], got {tuple(dt_bias.shape)}")
     H = A_log.shape[0]

@@ -537,8 +537,9 @@ def _conv_gate_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dg: Tensor, dbeta: Ten
     dx, da, db = _mixed_split(dmixed, split_sizes, A_log)
     kwargs = dict(activation=activation, cu=cu_seqlens)
     if impl.conv_splits:
-        _, dw, _, dh0 = impl.causal_conv1d_bwd([dy0, dy1, dy2], dfinal, x, weight, None, initial_state=initial_state,
-                                               dx=dx, **kwargs)
+        got, dw, _, dh0 = impl.causal_conv1d_bwd([dy0, dy1, dy2], dfinal, x, weight, None,
+                                                 initial_state=initial_state, dx=dx, **kwargs)
+        _written(dx, got)
     else:   # one conv backward per non-empty part, as the forward ran it, each into its columns of dmixed
         sizes = list(split_sizes)
         dfs = [None] * 3 if dfinal is None else dfinal.split(sizes, 1)
@@ -546,16 +547,26 @@ def _conv_gate_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dg: Tensor, dbeta: Ten
         for w, dy, df, dxi, (xi, wi, _, hi) in zip(sizes, (dy0, dy1, dy2), dfs, dx.split(sizes, -1),
                                                    _split_inputs(sizes, x, weight, None, initial_state)):
             if w:
-                _, dwi, _, dhi = impl.causal_conv1d_bwd(dy, df, xi, wi, None, initial_state=hi, dx=dxi, **kwargs)
+                got, dwi, _, dhi = impl.causal_conv1d_bwd(dy, df, xi, wi, None, initial_state=hi, dx=dxi, **kwargs)
+                _written(dxi, got)
                 dws.append(dwi)
                 dh0s.append(dhi)
         dw = torch.cat(dws, 0) if dws else torch.zeros_like(weight)
         if initial_state is not None:
             dh0 = torch.cat(dh0s, 1) if dh0s else torch.zeros_like(initial_state)
-    _, _, dA, ddt = impl.gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=da, db=db)
+    got_a, got_b, dA, ddt = impl.gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=da, db=db)
+    _written(da, got_a)
+    _written(db, got_b)
     grads = (dmixed, dw.to(weight.dtype), dA.to(A_log.dtype), ddt.to(dt_bias.dtype),
              _empty_like_none(None if initial_state is None else dh0.to(initial_state.dtype), mixed))
     return _distinct(grads, dy0, dy1, dy2, dg, dbeta, dfinal, mixed, weight, A_log, dt_bias, initial_state)
+
+
+def _written(buffer: Tensor, got: Tensor) -> None:
+    """A ``grads_into`` backend's gradient ``got`` for the view ``buffer`` it was given: nothing to do when it
+    is that view (our kernels write it in place); else (a backend that returned a tensor of its own) copied in."""
+    if not (got.data_ptr() == buffer.data_ptr() and got.shape == buffer.shape and got.stride() == buffer.stride()):
+        buffer.copy_(got)
 
 
 _conv_gate_fwd_op = _define("conv_gate", _conv_gate, _conv_gate_fake)

@@ -13,6 +13,7 @@ whose library is missing either registers with an ``available`` that says why, o
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import pathlib
 import pkgutil
@@ -75,8 +76,34 @@ _AUTO_LOGGED: set[str] = set()
 
 
 def register_backend(backend: Backend) -> None:
-    """Add (or replace) a backend by name."""
+    """Add (or replace) a backend by name.
+
+    Raises:
+        TypeError: ``grads_into=True`` without a ``causal_conv1d_bwd`` taking ``dx=`` and a ``gdn_gate_bwd``
+            taking ``da=`` and ``db=`` (the flag promises both; a backend built by ``dataclasses.replace`` of a
+            shipped one inherits it).
+    """
+    if backend.grads_into:
+        for field, kwargs in (("causal_conv1d_bwd", ("dx",)), ("gdn_gate_bwd", ("da", "db"))):
+            fn = getattr(backend, field)
+            if fn is None or not _takes(fn, kwargs):
+                raise TypeError(f"backend {backend.name!r} has grads_into=True, so its {field} must take "
+                                f"{', '.join(k + '=' for k in kwargs)} (views of the gradient buffer to write into); "
+                                f"set grads_into=False if it does not")
     _BACKENDS[backend.name] = backend
+
+
+def _takes(fn, names) -> bool:
+    """Whether ``fn`` accepts each of ``names`` as a keyword (or any keyword); True where it has no signature."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return True
+    keywords = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                    inspect.Parameter.KEYWORD_ONLY)}
+    return set(names) <= keywords
 
 
 def _available(b: Backend, device: torch.device) -> tuple[bool, str]:

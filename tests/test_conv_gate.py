@@ -176,5 +176,40 @@ def test_conv_gate_names_the_argument_it_rejects():
         causal_conv1d_gate(m, w, torch.cat([A, A]), dt, SIZES, cu_seqlens=inp["cu"])
     with pytest.raises(ValueError, match=r"weight must be \[C, W\] with C = mixed\[\.\.\., :C\]"):
         causal_conv1d_gate(m, w[:-1], A, dt, SIZES, cu_seqlens=inp["cu"])
+    with pytest.raises(ValueError, match="A_log must be"):   # no heads
+        causal_conv1d_gate(m[..., :C], w, A[:0], dt[:0], SIZES, cu_seqlens=inp["cu"])
     with pytest.raises(ValueError, match="cu_seqlens must be 1-D"):   # (a shape rule: checked on every device)
         causal_conv1d_gate(m, w, A, dt, SIZES, cu_seqlens=torch.tensor([[0, 5, 37]], device=DEV))
+
+
+def test_grads_into_promises_both_backwards_with_their_buffers():
+    """A backend with ``grads_into=True`` (the flag is inherited by ``dataclasses.replace`` of a shipped one) whose
+    conv or gate backward is missing, or does not take the buffers, is refused when registered."""
+    torch_b = registry.backend_by_name("torch")
+    with pytest.raises(TypeError, match="grads_into=True, so its causal_conv1d_bwd must take dx="):
+        registry.register_backend(dataclasses.replace(torch_b, name="no_bwd", grads_into=True))
+    old_signature = dict(causal_conv1d_bwd=lambda dy, dfinal, x, w, bias=None, activation="silu", cu=None,
+                         initial_state=None: None, gdn_gate_bwd=triton_ops.gate_bwd)
+    with pytest.raises(TypeError, match="causal_conv1d_bwd must take dx="):
+        registry.register_backend(dataclasses.replace(torch_b, name="old_sig", grads_into=True, **old_signature))
+    assert "no_bwd" not in registry._BACKENDS and "old_sig" not in registry._BACKENDS
+
+
+def test_a_grads_into_backend_that_returns_its_own_gradients_is_copied_in(triton_cpu_backend, monkeypatch):
+    """The contract asks the backwards to write the given views; one that returns new tensors instead still
+    gives the right gradient (copied into the buffer), never the buffer's uninitialised memory."""
+    b = registry.backend_by_name(triton_cpu_backend)
+
+    def conv_bwd(dy, dfinal, x, w, bias=None, activation="silu", cu=None, initial_state=None, dx=None):
+        return triton_ops.conv_bwd(dy, dfinal, x, w, bias, activation, cu, initial_state)   # dx left unwritten
+
+    def gate_bwd(dg, dbeta, a, b_, A_log, dt_bias, da=None, db=None):
+        return triton_ops.gate_bwd(dg, dbeta, a, b_, A_log, dt_bias)
+
+    monkeypatch.setitem(registry._BACKENDS, triton_cpu_backend, dataclasses.replace(
+        b, causal_conv1d_bwd=conv_bwd, gdn_gate_bwd=gate_bwd, grads_into=True))
+    inp = inputs()
+    leaves_f, outs_f = fused(inp, triton_cpu_backend)
+    leaves_r, outs_r = separate(inp)
+    torch.testing.assert_close(grads(leaves_f, outs_f)["mixed"], grads(leaves_r, outs_r)["mixed"],
+                               rtol=1e-10, atol=1e-12)

@@ -336,3 +336,12 @@ def test_the_cuda_backends_normalise_q_and_k_in_one_launch(monkeypatch):
     flash_qla_backend._prep(q, k, v, beta, beta, True)
     assert len(spy.launches) == 2 and all(kw["PAIR"] for kw in spy.kwargs)
     torch.testing.assert_close(kn, k * torch.rsqrt(k.square().sum(-1, keepdim=True) + l2norm.EPS))
+
+
+def test_gate_with_no_heads_launches_nothing_and_returns_empty():
+    """H = 0 (an empty head dim): empty outputs and gradients, not a division by zero in the block sizes."""
+    a = torch.randn(1, 5, 0, device=DEVICE)
+    A_log, dt_bias = torch.randn(0, device=DEVICE), torch.randn(0, device=DEVICE)
+    g, beta = gate.gdn_gate_fwd(a, a, A_log, dt_bias)
+    da, db, dA, ddt = gate.gdn_gate_bwd(g, beta, a, a, A_log, dt_bias)
+    assert g.shape == beta.shape == da.shape == db.shape == (1, 5, 0) and dA.shape == ddt.shape == (0,)

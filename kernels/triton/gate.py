@@ -29,7 +29,7 @@ _NUM_WARPS = 4
 
 
 def _blocks(H: int) -> tuple[int, int]:
-    BLOCK_H = triton.next_power_of_2(H)
+    BLOCK_H = triton.next_power_of_2(max(H, 1))
     return max(1, _TILE // BLOCK_H), BLOCK_H
 
 
@@ -141,7 +141,7 @@ def gdn_gate_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias:
     g = torch.empty(B, T, H, dtype=torch.float64 if g_dt == tl.float64 else torch.float32, device=a.device)
     beta = torch.empty(B, T, H, dtype=b.dtype, device=b.device)
     N = B * T
-    if N == 0:
+    if N == 0 or H == 0:
         return g, beta
     BLOCK_T, BLOCK_H = _blocks(H)
     _gate_fwd_kernel[(programs(triton.cdiv(N, BLOCK_T)),)](
@@ -182,7 +182,7 @@ def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=None, db=None):
     da, db = _out(da, a, "da"), _out(db, b, "db")
     N = B * T
     BLOCK_T, BLOCK_H = _blocks(H)
-    NB = min(triton.cdiv(N, BLOCK_T), _MAX_PROGRAMS)
+    NB = min(triton.cdiv(N, BLOCK_T), _MAX_PROGRAMS) if H > 0 else 0   # (no heads: nothing to launch)
     dA_part = torch.empty(NB, H, dtype=acc_dtype, device=a.device)
     dbias_part = torch.empty(NB, H, dtype=acc_dtype, device=a.device)
     if NB > 0:
