@@ -148,17 +148,13 @@ def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
     Raises:
         TypeError / ValueError naming the argument (non-tensors, non-floating dtypes, shapes, devices).
     """
-    _check_gate_inputs(a, b, A_log, dt_bias)
-    return ops.gdn_gate_op(a, b, A_log, dt_bias, backend_name(backend, a.device))
-
-
-def _check_gate_inputs(a, b, A_log, dt_bias) -> None:
     check_float_tensors(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     if a.dim() != 3 or a.shape != b.shape:
         raise ValueError(f"a and b must be [B, T, H] of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if tuple(t.shape) != (a.shape[-1],):
             raise ValueError(f"{name} must be [H] = [{a.shape[-1]}], got {tuple(t.shape)}")
+    return ops.gdn_gate_op(a, b, A_log, dt_bias, backend_name(backend, a.device))
 
 
 def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="silu", cu_seqlens=None,
@@ -200,9 +196,9 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
     C = mixed.shape[-1] - 2 * H
     sizes = check_split_sizes(split_sizes, C,
                               what=f"mixed.shape[-1] - 2 * A_log.shape[0] = {mixed.shape[-1]} - 2 * {H}")
-    x, a, b = mixed.split([C, H, H], -1)
-    _, cu = check_conv_inputs(x, weight, None, initial_state, cu_seqlens, activation, x_name="mixed[..., :C]")
-    _check_gate_inputs(a, b, A_log, dt_bias)
+    # (the gate's inputs are checked above: a and b are mixed's last 2H columns)
+    _, cu = check_conv_inputs(mixed[..., :C], weight, None, initial_state, cu_seqlens, activation,
+                              x_name="mixed[..., :C]")
     name = backend_name(backend, mixed.device)
     *ys, g, beta, final = ops.conv_gate_op(mixed, weight, A_log, dt_bias, initial_state, cu, sizes,
                                            _activation(activation), output_final_state, name)

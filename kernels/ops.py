@@ -40,7 +40,7 @@ Ops (inputs already validated by ``api.py``; optional outputs come back as empty
   A_log, dt_bias, initial_state?, cu_seqlens?, split_sizes, activation, output_final_state, backend) ->
   (y0, y1, y2, g, beta, final)`` (``causal_conv1d_split`` of ``mixed[..., :C]`` without bias, ``gdn_gate`` of
   its last 2H columns); its backward returns one ``dmixed`` buffer, written in place by the kernels of a
-  backend with ``grads_into`` (no ``[dx | da | db]`` concatenation)
+  backend with ``grads_into`` (no ``[dx | da | db]`` concatenation), its parts copied in on the others
 """
 from __future__ import annotations
 
@@ -306,12 +306,14 @@ def _causal_conv1d_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight: 
     return _distinct(grads, dy, dfinal, x, weight, bias, initial_state, cu_seqlens)
 
 
-def _conv_bwd(b, dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state):
+def _conv_bwd(b, dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state,
+              dx_into=None):
     """``(dx, dweight, dbias, dinitial)`` in the inputs' dtypes (empty for a None bias / initial state);
-    dy is a tensor, or a list of parts for a backend with ``conv_splits``."""
+    dy is a tensor, or a list of parts for a backend with ``conv_splits``. ``dx_into``: None, or a view
+    (x's shape and dtype) that dx is written into and returned as (``_into``)."""
     if b.causal_conv1d_bwd is not None:
         dx, dw, db, dh0 = b.causal_conv1d_bwd(dy, dfinal, x, weight, bias, activation=activation, cu=cu_seqlens,
-                                              initial_state=initial_state)
+                                              initial_state=initial_state, **_into_kwargs(b, dx=dx_into))
     else:
         def f(x, weight, bias, h0):
             y, fin = b.causal_conv1d(x, weight, bias=bias, activation=activation, cu=cu_seqlens, initial_state=h0,
@@ -319,7 +321,8 @@ def _conv_bwd(b, dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activat
             return (y, fin) if output_final_state else (y,)
 
         dx, dw, db, dh0 = _vjp(f, (x, weight, bias, initial_state), (dy, dfinal)[:1 + output_final_state])
-    return (dx.to(x.dtype), dw.to(weight.dtype), _empty_like_none(None if bias is None else db.to(bias.dtype), x),
+    return (_into(dx_into, dx.to(x.dtype)), dw.to(weight.dtype),
+            _empty_like_none(None if bias is None else db.to(bias.dtype), x),
             _empty_like_none(None if initial_state is None else dh0.to(initial_state.dtype), x))
 
 
@@ -393,20 +396,29 @@ def _causal_conv1d_split_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dfinal: Opti
                              weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
                              cu_seqlens: Optional[Tensor], activation: str, output_final_state: bool,
                              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    b = backend_by_name(backend)
-    if b.conv_splits and b.causal_conv1d_bwd is not None:
-        grads = _conv_bwd(b, [dy0, dy1, dy2], dfinal, x, weight, bias, initial_state, cu_seqlens, activation,
-                          output_final_state)
-    else:   # per non-empty part, as the forward ran it; the gradients concatenated
-        sizes = [d.shape[-1] for d in (dy0, dy1, dy2)]
-        dfs = [None] * 3 if dfinal is None else dfinal.split(sizes, 1)
-        parts = [_conv_bwd(b, dy, df, xi, wi, bi, hi, cu_seqlens, activation, output_final_state)
-                 for w, dy, df, (xi, wi, bi, hi) in zip(sizes, (dy0, dy1, dy2), dfs,
-                                                        _split_inputs(sizes, x, weight, bias, initial_state)) if w]
-        given = (True, True, bias is not None, initial_state is not None)
-        grads = tuple(torch.cat([g[i] for g in parts], dim) if given[i] else x.new_empty(_EMPTY)
-                      for i, dim in enumerate((-1, 0, 0, 1)))
+    grads = _split_conv_bwd(backend_by_name(backend), (dy0, dy1, dy2), dfinal, x, weight, bias, initial_state,
+                            cu_seqlens, activation, output_final_state)
     return _distinct(grads, dy0, dy1, dy2, dfinal, x, weight, bias, initial_state, cu_seqlens)
+
+
+def _split_conv_bwd(b, dys, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state,
+                    dx_into=None):
+    """``_conv_bwd`` of a split conv (``dys``: the 3 parts' gradients): one call on a backend with
+    ``conv_splits``, else one per non-empty part, as the forward ran it, the gradients concatenated (dx
+    written into ``dx_into``'s column parts instead, when given)."""
+    if b.conv_splits and b.causal_conv1d_bwd is not None:
+        return _conv_bwd(b, list(dys), dfinal, x, weight, bias, initial_state, cu_seqlens, activation,
+                         output_final_state, dx_into)
+    sizes = [d.shape[-1] for d in dys]
+    dfs = [None] * 3 if dfinal is None else dfinal.split(sizes, 1)
+    dxs = [None] * 3 if dx_into is None else dx_into.split(sizes, -1)
+    parts = [_conv_bwd(b, dy, df, xi, wi, bi, hi, cu_seqlens, activation, output_final_state, dxi)
+             for w, dy, df, dxi, (xi, wi, bi, hi) in zip(sizes, dys, dfs, dxs,
+                                                         _split_inputs(sizes, x, weight, bias, initial_state)) if w]
+    dx = dx_into if dx_into is not None else torch.cat([g[0] for g in parts], -1)
+    db = x.new_empty(_EMPTY) if bias is None else torch.cat([g[2] for g in parts])
+    dh0 = x.new_empty(_EMPTY) if initial_state is None else torch.cat([g[3] for g in parts], 1)
+    return dx, torch.cat([g[1] for g in parts]), db, dh0
 
 
 def _split_inputs(sizes, x, weight, bias, initial_state) -> list:
@@ -461,12 +473,19 @@ def _gdn_gate_fake(a, b, A_log, dt_bias, backend):
 
 def _gdn_gate_bwd(dg: Tensor, dbeta: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
                   backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    impl = backend_by_name(backend)
+    return _distinct(_gate_bwd(backend_by_name(backend), dg, dbeta, a, b, A_log, dt_bias), dg, dbeta, a, b, A_log,
+                     dt_bias)
+
+
+def _gate_bwd(impl, dg, dbeta, a, b, A_log, dt_bias, da_into=None, db_into=None) -> list:
+    """``(da, db, dA_log, ddt_bias)`` in the inputs' dtypes; da and db written into ``da_into``, ``db_into``
+    and returned as them, when given (``_into``)."""
     if impl.gdn_gate_bwd is not None:
-        grads = impl.gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias)
+        grads = impl.gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, **_into_kwargs(impl, da=da_into, db=db_into))
     else:
         grads = _vjp(impl.gdn_gate, (a, b, A_log, dt_bias), (dg, dbeta))
-    return _distinct([d.to(x.dtype) for d, x in zip(grads, (a, b, A_log, dt_bias))], dg, dbeta, a, b, A_log, dt_bias)
+    da, db, dA, ddt = (d.to(x.dtype) for d, x in zip(grads, (a, b, A_log, dt_bias)))
+    return [_into(da_into, da), _into(db_into, db), dA, ddt]
 
 
 _gate_fwd_op = _define("gdn_gate", _gdn_gate, _gdn_gate_fake)
@@ -522,51 +541,33 @@ def _conv_gate_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dg: Tensor, dbeta: Ten
                    mixed: Tensor, weight: Tensor, A_log: Tensor, dt_bias: Tensor, initial_state: Optional[Tensor],
                    cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str, output_final_state: bool,
                    backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(dmixed, dweight, dA_log, ddt_bias, dinitial)``. On a backend with ``grads_into`` the conv's dx
-    passes and the gate's backward write their columns of one ``dmixed`` buffer; otherwise the parts are
-    concatenated."""
+    """``(dmixed, dweight, dA_log, ddt_bias, dinitial)``: the conv's and the gate's backwards each fill their
+    columns of one ``dmixed`` buffer (``_into``: in place on a backend with ``grads_into``, else copied in)."""
     impl = backend_by_name(backend)
     x, a, b = _mixed_split(mixed, split_sizes, A_log)
-    if not impl.grads_into:
-        dx, dw, _, dh0 = _causal_conv1d_split_bwd(dy0, dy1, dy2, dfinal, x, weight, None, initial_state, cu_seqlens,
-                                                  activation, output_final_state, backend)
-        da, db, dA, ddt = _gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, backend)
-        return _distinct([torch.cat([dx, da, db], -1), dw, dA, ddt, dh0], dy0, dy1, dy2, dg, dbeta, dfinal,
-                         mixed, weight, A_log, dt_bias, initial_state)
     dmixed = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)
     dx, da, db = _mixed_split(dmixed, split_sizes, A_log)
-    kwargs = dict(activation=activation, cu=cu_seqlens)
-    if impl.conv_splits:
-        got, dw, _, dh0 = impl.causal_conv1d_bwd([dy0, dy1, dy2], dfinal, x, weight, None,
-                                                 initial_state=initial_state, dx=dx, **kwargs)
-        _written(dx, got)
-    else:   # one conv backward per non-empty part, as the forward ran it, each into its columns of dmixed
-        sizes = list(split_sizes)
-        dfs = [None] * 3 if dfinal is None else dfinal.split(sizes, 1)
-        dws, dh0s = [], []
-        for w, dy, df, dxi, (xi, wi, _, hi) in zip(sizes, (dy0, dy1, dy2), dfs, dx.split(sizes, -1),
-                                                   _split_inputs(sizes, x, weight, None, initial_state)):
-            if w:
-                got, dwi, _, dhi = impl.causal_conv1d_bwd(dy, df, xi, wi, None, initial_state=hi, dx=dxi, **kwargs)
-                _written(dxi, got)
-                dws.append(dwi)
-                dh0s.append(dhi)
-        dw = torch.cat(dws, 0) if dws else torch.zeros_like(weight)
-        if initial_state is not None:
-            dh0 = torch.cat(dh0s, 1) if dh0s else torch.zeros_like(initial_state)
-    got_a, got_b, dA, ddt = impl.gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=da, db=db)
-    _written(da, got_a)
-    _written(db, got_b)
-    grads = (dmixed, dw.to(weight.dtype), dA.to(A_log.dtype), ddt.to(dt_bias.dtype),
-             _empty_like_none(None if initial_state is None else dh0.to(initial_state.dtype), mixed))
-    return _distinct(grads, dy0, dy1, dy2, dg, dbeta, dfinal, mixed, weight, A_log, dt_bias, initial_state)
+    _, dw, _, dh0 = _split_conv_bwd(impl, (dy0, dy1, dy2), dfinal, x, weight, None, initial_state, cu_seqlens,
+                                    activation, output_final_state, dx)
+    _, _, dA, ddt = _gate_bwd(impl, dg, dbeta, a, b, A_log, dt_bias, da, db)
+    return _distinct([dmixed, dw, dA, ddt, dh0], dy0, dy1, dy2, dg, dbeta, dfinal, mixed, weight, A_log, dt_bias,
+                     initial_state)
 
 
-def _written(buffer: Tensor, got: Tensor) -> None:
-    """A ``grads_into`` backend's gradient ``got`` for the view ``buffer`` it was given: nothing to do when it
-    is that view (our kernels write it in place); else (a backend that returned a tensor of its own) copied in."""
+def _into_kwargs(impl, **buffers) -> dict:
+    """The output views to hand a backend's backward: those given, on a backend with ``grads_into``."""
+    return {k: v for k, v in buffers.items() if v is not None} if impl.grads_into else {}
+
+
+def _into(buffer: Optional[Tensor], got: Tensor) -> Tensor:
+    """``got``, the gradient computed for ``buffer`` (a view to fill, or None: ``got`` as it is). A ``grads_into``
+    backend wrote ``buffer`` in place and returned it; another result (a backend without the flag, or one that
+    returned a tensor of its own) is copied in."""
+    if buffer is None:
+        return got
     if not (got.data_ptr() == buffer.data_ptr() and got.shape == buffer.shape and got.stride() == buffer.stride()):
         buffer.copy_(got)
+    return buffer
 
 
 _conv_gate_fwd_op = _define("conv_gate", _conv_gate, _conv_gate_fake)

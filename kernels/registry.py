@@ -55,7 +55,7 @@ class Backend:
     conv_splits: bool = False
     # its ``causal_conv1d_bwd`` takes ``dx=`` and its ``gdn_gate_bwd`` ``da=``, ``db=``: column slices of one
     # gradient buffer to write into (``ops.conv_gate``'s backward then concatenates nothing). False: the
-    # gradients come back as new tensors and are concatenated
+    # gradients come back as new tensors and are copied into the buffer
     grads_into: bool = False
     # run dense ``[B, T]`` delta-rule calls as a pack of B sequences of T tokens (exact): compiled
     # backends then build one (varlen) kernel variant per flag set instead of two

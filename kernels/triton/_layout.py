@@ -9,6 +9,8 @@ rule of its own: ``narrow_offsets``.
 """
 from __future__ import annotations
 
+import torch
+
 
 def unit_last(*tensors):
     """Each tensor as is when its last dim is unit-stride (or has at most one element), else a contiguous
@@ -53,3 +55,19 @@ def row_align(element_size: int, *strides: int) -> int:
     while align > 1 and any(s % align for s in strides):
         align //= 2
     return align
+
+
+def out_buffer(out, like, name: str):
+    """An output of ``like``'s shape, dtype and device: a new contiguous one for ``out=None``, else ``out`` itself
+    (a caller's buffer, e.g. a column slice of a wider gradient: any strides but a unit-stride last dim), checked.
+
+    Raises:
+        ValueError: ``out`` (named ``name``) of another shape, dtype or device, or with a strided last dim.
+    """
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if (out.shape != like.shape or out.dtype != like.dtype or out.device != like.device
+            or (out.shape[-1] > 1 and out.stride(-1) != 1)):
+        raise ValueError(f"{name} must be {tuple(like.shape)} in {like.dtype} on {like.device} with a unit-stride "
+                         f"last dim, got {tuple(out.shape)} in {out.dtype} on {out.device} with strides {out.stride()}")
+    return out

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .. import cu_cache
 from ._grid import programs
-from ._layout import narrow_offsets, row_strides, rows_align
+from ._layout import narrow_offsets, out_buffer, row_strides, rows_align
 
 # Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
@@ -414,7 +414,8 @@ def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_
                     sdxb, sdxt, W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DX_ALIGN: tl.constexpr):
     """dx for token tiles p, p + P, ... (``_tile_shape``'s, plain without dfinal): x_p feeds z_{p+j} through
-    weight[:, W-1-j] (j < W, same sequence), so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last W-1 tokens of each sequence.
+    weight[:, W-1-j] (j < W, same sequence), so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last
+    W-1 tokens of each sequence.
 
     dz is contiguous ``[B, T, C]`` (``_conv_dz_kernel``'s output); dx has batch / token strides ``sdxb``,
     ``sdxt`` and unit channel stride (a column slice of a wider gradient buffer, or contiguous), ``DX_ALIGN``
@@ -620,11 +621,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
     n_prog = programs(min(dz_n_tiles, triton.cdiv(DZ_PROGRAMS, dz_n_cb)), dz_n_cb) if C > 0 else 0
-    if dx is None:
-        dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-    elif dx.shape != x.shape or dx.dtype != x.dtype or (C > 1 and dx.stride(2) != 1):
-        raise ValueError(f"dx must be [B, T, C] = {tuple(x.shape)} in {x.dtype} with unit channel stride, got "
-                         f"{tuple(dx.shape)} in {dx.dtype} with strides {dx.stride()}")
+    dx = out_buffer(dx, x, "dx")
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
     # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
     # registers, and the fp32 initial-state gradient recomputes the dz it needs)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._grid import programs
-from ._layout import unit_last
+from ._layout import out_buffer, unit_last
 from ._math import cast_rne, compute_tl_dtype, rne, sigmoid, softplus
 
 # Elements per tile (BLOCK_T * BLOCK_H); read at call time so tests can shrink it to force many tiles.
@@ -150,16 +150,6 @@ def gdn_gate_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias:
     return g, beta
 
 
-def _out(out, like, name):
-    """``out`` checked as a gradient buffer for ``like`` (same shape and dtype, unit last stride), or a new one."""
-    if out is None:
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    if out.shape != like.shape or out.dtype != like.dtype or (out.shape[-1] > 1 and out.stride(-1) != 1):
-        raise ValueError(f"{name} must be {tuple(like.shape)} in {like.dtype} with unit head stride, got "
-                         f"{tuple(out.shape)} in {out.dtype} with strides {out.stride()}")
-    return out
-
-
 def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=None, db=None):
     """Gradients of ``gdn_gate_fwd``: ``(da, db, dA_log, ddt_bias)``, each in its input's dtype.
 
@@ -179,7 +169,7 @@ def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=None, db=None):
     a, b, A_log, dt_bias = unit_last(a, b, A_log, dt_bias)
     g_dt, beta_dt = _dtypes(a, b, A_log, dt_bias)
     acc_dtype = torch.float64 if g_dt == tl.float64 else torch.float32
-    da, db = _out(da, a, "da"), _out(db, b, "db")
+    da, db = out_buffer(da, a, "da"), out_buffer(db, b, "db")
     N = B * T
     BLOCK_T, BLOCK_H = _blocks(H)
     NB = min(triton.cdiv(N, BLOCK_T), _MAX_PROGRAMS) if H > 0 else 0   # (no heads: nothing to launch)
