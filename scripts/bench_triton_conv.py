@@ -1,6 +1,6 @@
 """GPU check and timing of the Triton causal conv1d (kernels/triton/conv.py). Needs CUDA.
 
-    python3 scripts/bench_triton_conv.py [--quick | --sweep]
+    python3 scripts/bench_triton_conv.py [--quick | --sweep | --stages]
 
 1. compiled variants stay fixed across packed layouts (T, N, lengths) once each flag combination ran;
 2. forward + backward make no host sync (torch.cuda.set_sync_debug_mode("error"));
@@ -10,7 +10,8 @@
    against the bytes each must move at the measured copy bandwidth.
 
 --quick times the shipped block config only; --sweep skips 1-3 and the comparisons and times the block
-configs and the dz pass's tiles only.
+configs and the dz pass's tiles only; --stages times the backward only, over the dz pass's software
+pipelining (``DZ_NUM_STAGES``) and program count (``DZ_PROGRAMS``).
 """
 import os
 import sys
@@ -122,7 +123,7 @@ def check_int64_offsets():
     del buf, x, y, dx, dy
 
 
-def bench(quick, sweep=False):
+def bench(quick, sweep=False, stages=False):
     C, W, T, extra = 8192, 4, 32768, 2048
     buf = torch.randn(1, T, C + extra, device="cuda", dtype=torch.bfloat16)
     x = buf[..., :C]
@@ -135,6 +136,9 @@ def bench(quick, sweep=False):
     bw = 2 * big.numel() / copy_ms / 1e9  # TB/s, read + write
     fwd_bytes, bwd_bytes = 2 * T * C * 2, 3 * T * C * 2
     print(f"copy bandwidth {bw:.2f} TB/s; floors: fwd {fwd_bytes / bw / 1e9:.3f} ms, bwd {bwd_bytes / bw / 1e9:.3f} ms")
+    if stages:
+        bench_stages(x, w, b, cu, init, dy)
+        return
     ref_ms = do_bench(lambda: reference.causal_conv1d(x, w, b, "silu", cu, init, True), return_mode="median")
     print(f"torch reference forward: {ref_ms:.3f} ms")
     # None: the shipped tiles (the forward's with bias or states, its plain one, the dx pass's); a config sets
@@ -206,6 +210,53 @@ def bench_dz_tiles(x, w, b, cu, init, dy):
     conv.DZ_BLOCK_T, conv.DZ_BLOCK_T_PLAIN, conv._dz_block_c, conv.DZ_NUM_WARPS = default
 
 
+def bench_stages(x, w, b, cu, init, dy):
+    """Backward time over the dz pass's pipelining depth (``DZ_NUM_STAGES`` and ``DZ_NUM_STAGES_PLAIN``, set alike:
+    1 is the plain loop) and program count (``DZ_PROGRAMS``, ``DZ_PROGRAMS_PLAIN``: fewer programs, more tiles each,
+    more to pipeline), for the layer's three convs of
+    Qwen3-Next (q, k, v: 2048, 2048 and 4096 channels of one pre-conv buffer, no bias or states, one dx buffer)
+    and the whole conv with bias and initial states; the shipped setting timed first and again last."""
+    names = ("DZ_NUM_STAGES", "DZ_PROGRAMS", "DZ_NUM_STAGES_PLAIN", "DZ_PROGRAMS_PLAIN")
+    shipped = tuple(getattr(conv, k) for k in names)
+    C = x.shape[-1]
+    sizes = [C // 4, C // 4, C // 2]
+    starts = (0, sizes[0], sizes[0] + sizes[1])
+    dys = [p.contiguous() for p in dy.split(sizes, -1)]
+    ws = w.split(sizes, 0)
+    dx = torch.empty_like(dy)
+
+    def qkv():
+        for d, s, wp in zip(dys, starts, ws):
+            conv.causal_conv1d_bwd(d, None, x[..., s:s + d.shape[-1]], wp, None, cu, None, "silu",
+                                   dx=dx[..., s:s + d.shape[-1]])
+
+    def whole():
+        return conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu")
+
+    qkv()
+    want_dx, want = dx.clone(), whole()
+
+    print("dz pass pipelining (shipped: " + ", ".join(f"{k} {v}" for k, v in zip(names, shipped)) + "): backward "
+          "ms, the layer's q, k, v convs / the whole conv with bias and initial states (a row sets both variants)")
+    configs = [None] + [(st, n) for st in (1, 2, 3, 4) for n in (8192, 4096, 2048, 1024, 512, 256)] + [None]
+    for config in configs:
+        for k, v in zip(names, shipped if config is None else config * 2):
+            setattr(conv, k, v)
+        st, n = ("shipped", "") if config is None else config
+        try:
+            dx.zero_()
+            qkv()
+            got = whole()
+            errs = [rel_err(dx, want_dx)] + [rel_err(a, r) for a, r in zip(got, want) if a is not None]
+            t = [do_bench(fn, return_mode="median") for fn in (qkv, whole)]
+            print(f"stages {st} programs {n:>5}: {t[0]:.3f} / {t[1]:.3f}  (max rel err against the shipped "
+                  f"setting {max(errs):.1e})")
+        except Exception as e:  # a config the compiler refuses (shared memory)
+            print(f"stages {st} programs {n:>5}: failed ({type(e).__name__})")
+    for k, v in zip(names, shipped):
+        setattr(conv, k, v)
+
+
 def bench_split(x, w, b, cu, init, dy):
     """The split conv (``split_sizes``: q, k, v of Qwen3-Next written as three parts, PARTS == 3) against
     the whole conv with the same total channels: the ``conv_splits`` flag of the CUDA backends
@@ -251,8 +302,8 @@ if __name__ == "__main__":
     help_if_asked(__doc__)
     require_cuda("bench_triton_conv.py")
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
-    if "--sweep" not in sys.argv:
+    if "--sweep" not in sys.argv and "--stages" not in sys.argv:
         check_against_reference()
         check_recompiles_and_syncs()
         check_int64_offsets()
-    bench("--quick" in sys.argv, sweep="--sweep" in sys.argv)
+    bench("--quick" in sys.argv, sweep="--sweep" in sys.argv, stages="--stages" in sys.argv)

@@ -99,8 +99,9 @@ def test_dz_pass_sums_dweight_over_a_programs_tiles(monkeypatch, W, dz_programs)
 @pytest.mark.parametrize("W", [2, 4, 7])
 @pytest.mark.parametrize("dz_programs", [1, 3])
 def test_dz_pass_over_batch_rows_without_bias_or_state(monkeypatch, W, dz_programs):
-    """Dense B = 3 (a program's tiles span batch rows), no bias, no initial state, C over 2 channel blocks."""
-    monkeypatch.setattr(conv, "DZ_PROGRAMS", dz_programs)
+    """Dense B = 3 (a program's tiles span batch rows), no bias, no initial state (the plain variant's program
+    count), C over 2 channel blocks."""
+    monkeypatch.setattr(conv, "DZ_PROGRAMS_PLAIN", dz_programs)
     assert_matches_reference(make_inputs(3, 70, 70, W, init=False, bias=False, seed=W), "silu", final=False)
 
 
@@ -130,11 +131,17 @@ def test_dz_pass_takes_the_plain_tile_without_bias_and_initial_states(monkeypatc
     takes ``DZ_BLOCK_T_PLAIN`` token rows per tile, any other ``DZ_BLOCK_T``; both match float64."""
     monkeypatch.setattr(conv, "DZ_BLOCK_T", 8)
     monkeypatch.setattr(conv, "DZ_BLOCK_T_PLAIN", 4)
+    monkeypatch.setattr(conv, "DZ_PROGRAMS", 2)        # (2 or 1 program per channel block: several tiles each)
+    monkeypatch.setattr(conv, "DZ_PROGRAMS_PLAIN", 1)
     spy = LaunchSpy(conv._conv_dz_kernel)
     monkeypatch.setattr(conv, "_conv_dz_kernel", spy)
     assert_matches_reference(make_inputs(1, 70, 24, 4, cu=[0, 5, 33, 70], bias=bias, init=init, seed=3), "silu",
                              final=init)
-    assert spy.kwargs[0]["BLOCK_T"] == (8 if bias or init else 4)
+    plain = not (bias or init)
+    assert spy.kwargs[0]["BLOCK_T"] == (4 if plain else 8)
+    # the plain variant pipelines its tile loop, over its own program count (one per channel block here)
+    assert spy.kwargs[0]["STAGES"] == (conv.DZ_NUM_STAGES_PLAIN if plain else conv.DZ_NUM_STAGES)
+    assert spy.grids[0][0] == (1 if plain else 2), spy.grids
 
 
 @pytest.mark.parametrize("bias,init,final", [(False, False, False), (True, False, False), (False, True, False),

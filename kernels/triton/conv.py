@@ -22,7 +22,8 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
   pre-activation's gradient dz (z recomputed from x; the forward saves nothing but its inputs) into a ``[B, T, C]``
   scratch buffer, plus each
   program's partial sums of dweight and dbias over its tiles (summed over the programs in torch
-  afterwards: deterministic, no atomics).
+  afterwards: deterministic, no atomics). Without bias and initial states (the layer's conv in training) about
+  one wave of programs, each software-pipelining its tiles' loads (``DZ_PROGRAMS_PLAIN``, ``DZ_NUM_STAGES_PLAIN``).
 - ``_conv_dx_kernel``, over the plain forward's tiles (the other forward's with dfinal):
   ``dx_p = sum_j weight[:, W-1-j] dz_{p+j}`` (+ dfinal). Two passes instead of one: a fused pass had to
   recompute z at each of the W shifts (W^2 taps per element) and spilled registers; the scratch round trip
@@ -57,8 +58,11 @@ from ._layout import narrow_offsets, out_buffer, row_strides, rows_align
 BLOCK_T = 32
 PLAIN_BLOCK_T = 16
 NUM_WARPS = 4
-# programs of the backward's dz pass over all channel blocks (it takes cdiv(tiles, programs) tiles each)
+# programs of the backward's dz pass over all channel blocks (it takes cdiv(tiles, programs) tiles each): with
+# bias or initial states DZ_PROGRAMS, without either (the layer's conv in training) DZ_PROGRAMS_PLAIN, about one
+# wave of an H200's 132 SMs, each program pipelining its many tiles (DZ_NUM_STAGES_PLAIN below)
 DZ_PROGRAMS = 8192
+DZ_PROGRAMS_PLAIN = 512
 # the dz pass's own tile and warps (it holds five [DZ_BLOCK_T, block] accumulators); its channel block is
 # _dz_block_c(C). H200, scripts/bench_triton_conv.py --sweep (C = 8192, bf16, 32k tokens, with bias and
 # initial states): backward 3.30 ms with 16 x 64 tiles on 2 warps, 4.02 ms with 32 x 64 on 4. That variant
@@ -70,6 +74,15 @@ DZ_PROGRAMS = 8192
 DZ_BLOCK_T = 32
 DZ_BLOCK_T_PLAIN = 16
 DZ_NUM_WARPS = 4
+# software pipelining of the dz pass's tile loop (``tl.range(num_stages=)``): 1 compiles the plain loop (the same
+# PTX as ``range``); from 2 Triton prefetches the next tiles' x and dy through shared memory (cp.async), which
+# only pays where a program takes several tiles. Session 18, H200, scripts/bench_triton_conv.py --stages (32k
+# tokens; ms of the backward, dz and dx passes): the layer's three convs of Qwen3-Next (no bias or states) 1.382
+# at 1 stage and 8 192 programs, 1.202 at 1 stage and 512, **1.124 at 3 stages and 512** (2 stages 1.171, 4:
+# 1.180-1.245); with bias and initial states pipelining is 3.5-5x slower (11.97-17.39 against 3.43 ms) and
+# 8 192 programs stay best. So the plain variant takes DZ_NUM_STAGES_PLAIN and DZ_PROGRAMS_PLAIN.
+DZ_NUM_STAGES = 1
+DZ_NUM_STAGES_PLAIN = 3
 
 
 def _block_c(C: int) -> int:
@@ -337,7 +350,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr,
-                    X_ALIGN: tl.constexpr, DY_ALIGN: tl.constexpr):
+                    X_ALIGN: tl.constexpr, DY_ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """dz (the pre-activation's gradient) for token tiles p, p + P, ... (of NT), and the program's
     partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts). dy comes as the
     parts ``dy, dy1, dy2`` split at columns ``e0, e1`` (``_load_parts``).
@@ -356,7 +369,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
     acc2 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
     acc3 = tl.zeros((BLOCK_T, BLOCK_C), ACC)
     acc_dw = tl.zeros((BLOCK_C, BLOCK_W), ACC)      # taps past 4: [channel, tap index of weight]
-    for tile in range(pid, NT, tl.num_programs(0)):
+    for tile in tl.range(pid, NT, tl.num_programs(0), num_stages=STAGES):   # (DZ_NUM_STAGES)
         b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C, IS_VARLEN)
         if IS_VARLEN:
             n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
@@ -616,11 +629,13 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     # the dx pass on the plain forward's tile; with dfinal on the other (16 x 128 spills 8 bytes there, 32 x 64 not)
     dx_block_t, dx_block_c = _tile_shape(C, dfinal is None)
     n_cb, dz_n_cb, dx_n_cb = triton.cdiv(C, block_c), triton.cdiv(C, dz_block_c), triton.cdiv(C, dx_block_c)
-    dz_block_t = DZ_BLOCK_T if bias is not None or initial_state is not None else DZ_BLOCK_T_PLAIN
+    plain = bias is None and initial_state is None     # the layer's conv in training: its own dz-pass settings
+    dz_block_t = DZ_BLOCK_T_PLAIN if plain else DZ_BLOCK_T
     n_tiles, dz_n_tiles = triton.cdiv(T, dx_block_t) * B, triton.cdiv(T, dz_block_t) * B
-    # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS programs
+    # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS(_PLAIN) programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
-    n_prog = programs(min(dz_n_tiles, triton.cdiv(DZ_PROGRAMS, dz_n_cb)), dz_n_cb) if C > 0 else 0
+    dz_programs, dz_stages = (DZ_PROGRAMS_PLAIN, DZ_NUM_STAGES_PLAIN) if plain else (DZ_PROGRAMS, DZ_NUM_STAGES)
+    n_prog = programs(min(dz_n_tiles, triton.cdiv(dz_programs, dz_n_cb)), dz_n_cb) if C > 0 else 0
     dx = out_buffer(dx, x, "dx")
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
     # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
@@ -643,7 +658,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             0 if bias is None else bias.stride(0), *sin,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
             BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=rows_align([x], 2),
-            DY_ALIGN=rows_align(dy_parts[:3], 2), num_warps=DZ_NUM_WARPS, **flags)
+            DY_ALIGN=rows_align(dy_parts[:3], 2), STAGES=dz_stages, num_warps=DZ_NUM_WARPS, **flags)
         _conv_dx_kernel[(programs(n_tiles, dx_n_cb), dx_n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             *row_strides(dx, 2), HAS_DFINAL=dfinal is not None, BLOCK_T=dx_block_t, BLOCK_C=dx_block_c,
