@@ -10,8 +10,8 @@
    against the bytes each must move at the measured copy bandwidth.
 
 --quick times the shipped block config only; --sweep skips 1-3 and the comparisons and times the block
-configs and the dz pass's tiles only; --stages times the backward only, over the dz pass's software
-pipelining (``DZ_NUM_STAGES``) and program count (``DZ_PROGRAMS``).
+configs and the dz pass's tiles only; --stages times only the software pipelining (``*_NUM_STAGES``) and
+program counts (``*_PROGRAMS``) of the dz pass, the forward and the dx pass.
 """
 import os
 import sys
@@ -255,6 +255,39 @@ def bench_stages(x, w, b, cu, init, dy):
             print(f"stages {st} programs {n:>5}: failed ({type(e).__name__})")
     for k, v in zip(names, shipped):
         setattr(conv, k, v)
+    # the forward and the dx pass: the same two knobs each (all their variants), the dz pass as shipped
+    ys = [torch.empty_like(d) for d in dys]
+
+    def qkv_fwd():
+        for yp, s, wp in zip(ys, starts, ws):
+            conv.causal_conv1d_fwd(x[..., s:s + yp.shape[-1]], wp, None, cu, None, "silu", False)
+
+    def whole_fwd():
+        return conv.causal_conv1d_fwd(x, w, b, cu, init, "silu", True)
+
+    want_y = whole_fwd()
+    for knob, runs in (("FWD", (qkv_fwd, whole_fwd)), ("DX", (qkv, whole))):
+        keys = (f"{knob}_NUM_STAGES", f"{knob}_PROGRAMS")
+        default = tuple(getattr(conv, k) for k in keys)
+        print(f"{knob} knobs (shipped: {keys[0]} {default[0]}, {keys[1]} {default[1]}): "
+              f"{'forward' if knob == 'FWD' else 'backward'} ms, the layer's q, k, v convs / the whole conv with "
+              f"bias and initial states")
+        for st, n in [default] + [(st, n) for st in (1, 2, 3) for n in (65535, 4096, 2048, 1024, 512)] + [default]:
+            setattr(conv, keys[0], st)
+            setattr(conv, keys[1], n)
+            try:
+                if knob == "FWD":
+                    errs = [rel_err(a, r) for a, r in zip(whole_fwd(), want_y)]
+                else:
+                    dx.zero_()
+                    qkv()
+                    errs = [rel_err(dx, want_dx)] + [rel_err(a, r) for a, r in zip(whole(), want) if a is not None]
+                t = [do_bench(fn, return_mode="median") for fn in runs]
+                print(f"{knob} stages {st} programs {n:>5}: {t[0]:.3f} / {t[1]:.3f}  (max rel err {max(errs):.1e})")
+            except Exception as e:  # a config the compiler refuses (shared memory)
+                print(f"{knob} stages {st} programs {n:>5}: failed ({type(e).__name__})")
+        for k, v in zip(keys, default):
+            setattr(conv, k, v)
 
 
 def bench_split(x, w, b, cu, init, dy):

@@ -144,6 +144,23 @@ def test_dz_pass_takes_the_plain_tile_without_bias_and_initial_states(monkeypatc
     assert spy.grids[0][0] == (1 if plain else 2), spy.grids
 
 
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("bias_and_state", [False, True])
+def test_forward_and_dx_pass_take_several_tiles_per_program(monkeypatch, programs, bias_and_state):
+    """``FWD_PROGRAMS`` / ``DX_PROGRAMS`` cap the forward's and the dx pass's programs (the knobs that
+    bench_triton_conv.py --stages sweeps with their pipelining): each program then loops over several token
+    tiles, packed with sequences straddling them; results match float64 and the grids hold the cap."""
+    monkeypatch.setattr(conv, "FWD_PROGRAMS", programs)
+    monkeypatch.setattr(conv, "DX_PROGRAMS", programs)
+    spies = {k: LaunchSpy(getattr(conv, k)) for k in ("_conv_fwd_kernel", "_conv_dx_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(conv, name, spy)
+    assert_matches_reference(make_inputs(1, 150, 40, 4, cu=[0, 3, 40, 41, 150], bias=bias_and_state,
+                                         init=bias_and_state, seed=programs), "silu", final=bias_and_state)
+    for spy in spies.values():
+        assert spy.grids[0][0] == programs and spy.kwargs[0]["STAGES"] == 1, spy.grids
+
+
 @pytest.mark.parametrize("bias,init,final", [(False, False, False), (True, False, False), (False, True, False),
                                               (False, False, True)])
 def test_forward_takes_the_plain_tile_without_bias_and_initial_states(monkeypatch, bias, init, final):

@@ -83,6 +83,10 @@ DZ_NUM_WARPS = 4
 # 8 192 programs stay best. So the plain variant takes DZ_NUM_STAGES_PLAIN and DZ_PROGRAMS_PLAIN.
 DZ_NUM_STAGES = 1
 DZ_NUM_STAGES_PLAIN = 3
+# the same two knobs of the forward and of the dx pass (all their variants), to sweep (bench_triton_conv.py
+# --stages): these defaults give each program one tile where the grid allows and the plain loop, as before
+FWD_PROGRAMS = DX_PROGRAMS = 65535
+FWD_NUM_STAGES = DX_NUM_STAGES = 1
 
 
 def _block_c(C: int) -> int:
@@ -282,13 +286,13 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
                      stride_in, stride_ic, stride_ik,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                      SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                     PARTS: tl.constexpr, X_ALIGN: tl.constexpr, Y_ALIGN: tl.constexpr):
+                     PARTS: tl.constexpr, X_ALIGN: tl.constexpr, Y_ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """y for token tiles p, p + P, ... (of the NT = ``cdiv(T, BLOCK_T) * B``; P programs on axis 0) and
     channel block ``program_id(1)``; a tile is tokens [tb*BLOCK_T, +BLOCK_T) of batch row b. y is
     written as the parts ``y, y1, y2`` split at columns ``e0, e1`` (``_store_parts``)."""
     cw = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     w0, w1, w2, w3 = _w4(w, cw[None, :], (cw < C)[None, :], stride_wc, stride_ww, W, ACC)
-    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), NT, tl.num_programs(0), num_stages=STAGES):   # (FWD_NUM_STAGES)
         b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C, IS_VARLEN)
         if IS_VARLEN:  # B == 1; positions are relative to each token's own sequence start
             n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
@@ -425,7 +429,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
 @triton.jit(do_not_specialize=["T", "NT", "sdxb"])
 def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_ww, stride_dfn, stride_dfc, stride_dfk,
                     sdxb, sdxt, W: tl.constexpr, HAS_DFINAL: tl.constexpr, IS_VARLEN: tl.constexpr, ACC: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DX_ALIGN: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DX_ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """dx for token tiles p, p + P, ... (``_tile_shape``'s, plain without dfinal): x_p feeds z_{p+j} through
     weight[:, W-1-j] (j < W, same sequence), so dx_p = sum_j weight[:, W-1-j] dz_{p+j}; dfinal adds to the last
     W-1 tokens of each sequence.
@@ -436,7 +440,7 @@ def _conv_dx_kernel(w, seq_idx, cu, dz, dfinal, dx, T, NT, C, stride_wc, stride_
     """
     cw = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     w0, w1, w2, w3 = _w4(w, cw[None, :], (cw < C)[None, :], stride_wc, stride_ww, W, ACC)
-    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), NT, tl.num_programs(0), num_stages=STAGES):   # (DX_NUM_STAGES)
         b, t, c, tmask, cmask = _tile(tile, T, C, BLOCK_T, BLOCK_C, IS_VARLEN)
         if IS_VARLEN:
             n = tl.load(seq_idx + t, mask=tmask, other=0).to(tl.int64)
@@ -583,14 +587,14 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
         tile_t, tile_c = _tile_shape(C, bias is None and initial_state is None)
         n_tiles, n_tcb = triton.cdiv(T, tile_t) * B, triton.cdiv(C, tile_c)
         y_parts, parts = _as_parts(y, C)
-        _conv_fwd_kernel[(programs(n_tiles, n_tcb), n_tcb)](
+        _conv_fwd_kernel[(programs(min(n_tiles, triton.cdiv(FWD_PROGRAMS, n_tcb)), n_tcb), n_tcb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, *y_parts,
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
             SILU=silu, ACC=acc, BLOCK_T=tile_t, BLOCK_C=tile_c, PARTS=parts, X_ALIGN=rows_align([x], 2),
-            Y_ALIGN=rows_align(y_parts[:3], 2), num_warps=NUM_WARPS)
+            Y_ALIGN=rows_align(y_parts[:3], 2), STAGES=FWD_NUM_STAGES, num_warps=NUM_WARPS)
     final = None
     if output_final_state:
         final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
@@ -659,10 +663,10 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
             BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=rows_align([x], 2),
             DY_ALIGN=rows_align(dy_parts[:3], 2), STAGES=dz_stages, num_warps=DZ_NUM_WARPS, **flags)
-        _conv_dx_kernel[(programs(n_tiles, dx_n_cb), dx_n_cb)](
+        _conv_dx_kernel[(programs(min(n_tiles, triton.cdiv(DX_PROGRAMS, dx_n_cb)), dx_n_cb), dx_n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             *row_strides(dx, 2), HAS_DFINAL=dfinal is not None, BLOCK_T=dx_block_t, BLOCK_C=dx_block_c,
-            DX_ALIGN=rows_align([dx], 2), num_warps=NUM_WARPS, **flags)
+            DX_ALIGN=rows_align([dx], 2), STAGES=DX_NUM_STAGES, num_warps=NUM_WARPS, **flags)
     dinit = None
     if initial_state is not None:
         dinit = torch.empty(N, C, W - 1, dtype=initial_state.dtype, device=x.device)
