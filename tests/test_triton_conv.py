@@ -133,6 +133,7 @@ def test_dz_pass_takes_the_plain_tile_without_bias_and_initial_states(monkeypatc
     monkeypatch.setattr(conv, "DZ_BLOCK_T_PLAIN", 4)
     monkeypatch.setattr(conv, "DZ_PROGRAMS", 2)        # (2 or 1 program per channel block: several tiles each)
     monkeypatch.setattr(conv, "DZ_PROGRAMS_PLAIN", 1)
+    monkeypatch.setattr(conv, "_stages", lambda stages, x: stages)    # (as on CUDA, whatever the device)
     spy = LaunchSpy(conv._conv_dz_kernel)
     monkeypatch.setattr(conv, "_conv_dz_kernel", spy)
     assert_matches_reference(make_inputs(1, 70, 24, 4, cu=[0, 5, 33, 70], bias=bias, init=init, seed=3), "silu",
@@ -142,6 +143,14 @@ def test_dz_pass_takes_the_plain_tile_without_bias_and_initial_states(monkeypatc
     # the plain variant pipelines its tile loop, over its own program count (one per channel block here)
     assert spy.kwargs[0]["STAGES"] == (conv.DZ_NUM_STAGES_PLAIN if plain else conv.DZ_NUM_STAGES)
     assert spy.grids[0][0] == (1 if plain else 2), spy.grids
+
+
+def test_the_dz_pass_pipelines_on_cuda_only():
+    """The plain dz pass's pipelining depth was measured on an H200; other devices (Ascend's compiler reads
+    ``num_stages`` its own way, the interpreter ignores it) get the plain loop."""
+    import types
+    assert conv._stages(3, torch.empty(1)) == 1
+    assert conv._stages(3, types.SimpleNamespace(is_cuda=True)) == 3
 
 
 @pytest.mark.parametrize("programs", [1, 3])

@@ -80,7 +80,8 @@ DZ_NUM_WARPS = 4
 # tokens; ms of the backward, dz and dx passes): the layer's three convs of Qwen3-Next (no bias or states) 1.382
 # at 1 stage and 8 192 programs, 1.202 at 1 stage and 512, **1.124 at 3 stages and 512** (2 stages 1.171, 4:
 # 1.180-1.245); with bias and initial states pipelining is 3.5-5x slower (11.97-17.39 against 3.43 ms) and
-# 8 192 programs stay best. So the plain variant takes DZ_NUM_STAGES_PLAIN and DZ_PROGRAMS_PLAIN.
+# 8 192 programs stay best. So the plain variant takes DZ_NUM_STAGES_PLAIN (on CUDA only, ``_stages``) and
+# DZ_PROGRAMS_PLAIN.
 DZ_NUM_STAGES = 1
 DZ_NUM_STAGES_PLAIN = 3
 # the same two knobs of the forward and of the dx pass (all their variants), to sweep (bench_triton_conv.py
@@ -517,6 +518,12 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
         tl.store(dinit + (n * C + c) * (W - 1) + k, acc.to(dinit.dtype.element_ty), mask=kvalid)
 
 
+def _stages(stages: int, x: torch.Tensor) -> int:
+    """``stages`` on CUDA, where the pipelining was measured; 1 (the plain loop) on other devices (Ascend's
+    compiler reads ``num_stages`` its own way)."""
+    return stages if x.is_cuda else 1
+
+
 def _compute_dtype(*tensors):
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -638,7 +645,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     n_tiles, dz_n_tiles = triton.cdiv(T, dx_block_t) * B, triton.cdiv(T, dz_block_t) * B
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS(_PLAIN) programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
-    dz_programs, dz_stages = (DZ_PROGRAMS_PLAIN, DZ_NUM_STAGES_PLAIN) if plain else (DZ_PROGRAMS, DZ_NUM_STAGES)
+    dz_programs, dz_stages = (DZ_PROGRAMS_PLAIN, _stages(DZ_NUM_STAGES_PLAIN, x)) if plain else (DZ_PROGRAMS, DZ_NUM_STAGES)
     n_prog = programs(min(dz_n_tiles, triton.cdiv(dz_programs, dz_n_cb)), dz_n_cb) if C > 0 else 0
     dx = out_buffer(dx, x, "dx")
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
