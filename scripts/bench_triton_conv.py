@@ -255,33 +255,38 @@ def bench_stages(x, w, b, cu, init, dy):
             print(f"stages {st} programs {n:>5}: failed ({type(e).__name__})")
     for k, v in zip(names, shipped):
         setattr(conv, k, v)
-    # the forward and the dx pass: the same two knobs each (all their variants), the dz pass as shipped
-    ys = [torch.empty_like(d) for d in dys]
+    # the forward and the dx pass: the same two knobs each (all their variants: the dx pass's with dfinal is the
+    # whole conv's row), the dz pass as shipped
+    dfinal = torch.randn(init.shape, device=init.device)
 
     def qkv_fwd():
-        for yp, s, wp in zip(ys, starts, ws):
-            conv.causal_conv1d_fwd(x[..., s:s + yp.shape[-1]], wp, None, cu, None, "silu", False)
+        return [conv.causal_conv1d_fwd(x[..., s:s + d.shape[-1]], wp, None, cu, None, "silu", False)[0]
+                for d, s, wp in zip(dys, starts, ws)]
 
     def whole_fwd():
         return conv.causal_conv1d_fwd(x, w, b, cu, init, "silu", True)
 
-    want_y = whole_fwd()
-    for knob, runs in (("FWD", (qkv_fwd, whole_fwd)), ("DX", (qkv, whole))):
+    def whole_df():
+        return conv.causal_conv1d_bwd(dy, dfinal, x, w, b, cu, init, "silu")
+
+    want_y, want_qkv_y, want_df = whole_fwd(), qkv_fwd(), whole_df()
+    for knob, runs in (("FWD", (qkv_fwd, whole_fwd)), ("DX", (qkv, whole_df))):
         keys = (f"{knob}_NUM_STAGES", f"{knob}_PROGRAMS")
         default = tuple(getattr(conv, k) for k in keys)
         print(f"{knob} knobs (shipped: {keys[0]} {default[0]}, {keys[1]} {default[1]}): "
               f"{'forward' if knob == 'FWD' else 'backward'} ms, the layer's q, k, v convs / the whole conv with "
-              f"bias and initial states")
+              f"bias and initial states{'' if knob == 'FWD' else ' and a final state gradient'} (max rel err against "
+              f"the shipped setting)")
         for st, n in [default] + [(st, n) for st in (1, 2, 3) for n in (65535, 4096, 2048, 1024, 512)] + [default]:
             setattr(conv, keys[0], st)
             setattr(conv, keys[1], n)
             try:
                 if knob == "FWD":
-                    errs = [rel_err(a, r) for a, r in zip(whole_fwd(), want_y)]
+                    errs = [rel_err(a, r) for a, r in zip(whole_fwd() + tuple(qkv_fwd()), want_y + tuple(want_qkv_y))]
                 else:
                     dx.zero_()
                     qkv()
-                    errs = [rel_err(dx, want_dx)] + [rel_err(a, r) for a, r in zip(whole(), want) if a is not None]
+                    errs = [rel_err(dx, want_dx)] + [rel_err(a, r) for a, r in zip(whole_df(), want_df) if a is not None]
                 t = [do_bench(fn, return_mode="median") for fn in runs]
                 print(f"{knob} stages {st} programs {n:>5}: {t[0]:.3f} / {t[1]:.3f}  (max rel err {max(errs):.1e})")
             except Exception as e:  # a config the compiler refuses (shared memory)

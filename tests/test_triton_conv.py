@@ -133,7 +133,7 @@ def test_dz_pass_takes_the_plain_tile_without_bias_and_initial_states(monkeypatc
     monkeypatch.setattr(conv, "DZ_BLOCK_T_PLAIN", 4)
     monkeypatch.setattr(conv, "DZ_PROGRAMS", 2)        # (2 or 1 program per channel block: several tiles each)
     monkeypatch.setattr(conv, "DZ_PROGRAMS_PLAIN", 1)
-    monkeypatch.setattr(conv, "_stages", lambda stages, x: stages)    # (as on CUDA, whatever the device)
+    monkeypatch.setattr(conv, "_stages", lambda stages, x, W: stages)    # (as on CUDA, whatever the device)
     spy = LaunchSpy(conv._conv_dz_kernel)
     monkeypatch.setattr(conv, "_conv_dz_kernel", spy)
     assert_matches_reference(make_inputs(1, 70, 24, 4, cu=[0, 5, 33, 70], bias=bias, init=init, seed=3), "silu",
@@ -145,12 +145,28 @@ def test_dz_pass_takes_the_plain_tile_without_bias_and_initial_states(monkeypatc
     assert spy.grids[0][0] == (1 if plain else 2), spy.grids
 
 
-def test_the_dz_pass_pipelines_on_cuda_only():
-    """The plain dz pass's pipelining depth was measured on an H200; other devices (Ascend's compiler reads
-    ``num_stages`` its own way, the interpreter ignores it) get the plain loop."""
+def test_the_dz_pass_pipelines_where_measured_only():
+    """The plain dz pass's pipelining depth was measured on an H200 with bf16 and W = 4; other devices (Ascend's
+    compiler reads ``num_stages`` its own way, the interpreter ignores it) get the plain loop, and so do 4- and
+    8-byte inputs and W > 4 (three stages of an fp64 conv with W >= 6 exceed the H200's shared memory)."""
     import types
-    assert conv._stages(3, torch.empty(1)) == 1
-    assert conv._stages(3, types.SimpleNamespace(is_cuda=True)) == 3
+
+    def on_cuda(dtype):
+        return types.SimpleNamespace(is_cuda=True, element_size=lambda: torch.empty(0, dtype=dtype).element_size())
+
+    assert conv._stages(3, torch.empty(1, dtype=torch.bfloat16), 4) == 1
+    assert conv._stages(3, on_cuda(torch.bfloat16), 4) == 3 and conv._stages(3, on_cuda(torch.float16), 2) == 3
+    assert conv._stages(3, on_cuda(torch.float32), 4) == 1 and conv._stages(3, on_cuda(torch.float64), 4) == 1
+    assert conv._stages(3, on_cuda(torch.bfloat16), 5) == 1
+
+
+@pytest.mark.parametrize("knob", ["FWD_PROGRAMS", "DX_PROGRAMS", "DZ_PROGRAMS", "DZ_PROGRAMS_PLAIN"])
+def test_a_program_knob_below_one_still_launches_one_program(monkeypatch, knob):
+    """A ``*_PROGRAMS`` knob of 0 (a tuning mistake) runs one program per channel block, not none (which would
+    leave y or dx unwritten)."""
+    monkeypatch.setattr(conv, knob, 0)
+    assert_matches_reference(make_inputs(1, 40, 12, 4, cu=[0, 5, 40], bias=knob == "DZ_PROGRAMS",
+                                         init=knob == "DZ_PROGRAMS", seed=1), "silu", final=knob == "DZ_PROGRAMS")
 
 
 @pytest.mark.parametrize("programs", [1, 3])

@@ -80,8 +80,8 @@ DZ_NUM_WARPS = 4
 # tokens; ms of the backward, dz and dx passes): the layer's three convs of Qwen3-Next (no bias or states) 1.382
 # at 1 stage and 8 192 programs, 1.202 at 1 stage and 512, **1.124 at 3 stages and 512** (2 stages 1.171, 4:
 # 1.180-1.245); with bias and initial states pipelining is 3.5-5x slower (11.97-17.39 against 3.43 ms) and
-# 8 192 programs stay best. So the plain variant takes DZ_NUM_STAGES_PLAIN (on CUDA only, ``_stages``) and
-# DZ_PROGRAMS_PLAIN.
+# 8 192 programs stay best. So the plain variant takes DZ_NUM_STAGES_PLAIN (on CUDA with 16-bit inputs and W <= 4
+# only, ``_stages``) and DZ_PROGRAMS_PLAIN.
 DZ_NUM_STAGES = 1
 DZ_NUM_STAGES_PLAIN = 3
 # the same two knobs of the forward and of the dx pass (all their variants), to sweep (bench_triton_conv.py
@@ -518,10 +518,22 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
         tl.store(dinit + (n * C + c) * (W - 1) + k, acc.to(dinit.dtype.element_ty), mask=kvalid)
 
 
-def _stages(stages: int, x: torch.Tensor) -> int:
-    """``stages`` on CUDA, where the pipelining was measured; 1 (the plain loop) on other devices (Ascend's
-    compiler reads ``num_stages`` its own way)."""
-    return stages if x.is_cuda else 1
+def _stages(stages: int, x: torch.Tensor, W: int) -> int:
+    """``stages`` where the pipelining was measured, on CUDA with 16-bit inputs and W <= 4 (the layer's
+    conv); 1 (the plain loop) otherwise: Ascend's compiler reads ``num_stages`` its own way, and with 8-byte
+    inputs and W >= 6, or fp32 and W = 16, three stages of prefetched taps exceed an H200's 227 KB of shared
+    memory (sm_90 compile on the CPU)."""
+    return stages if _on_cuda(x) and x.element_size() <= 2 and W <= 4 else 1
+
+
+def _on_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def _cap(programs_knob: int, other_axes: int) -> int:
+    """Programs on the long axis for a ``*_PROGRAMS`` knob spread over ``other_axes`` channel blocks (at least 1,
+    whatever the knob: a knob of 0 must not launch nothing and leave the outputs unwritten)."""
+    return triton.cdiv(max(1, programs_knob), other_axes)
 
 
 def _compute_dtype(*tensors):
@@ -594,7 +606,7 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
         tile_t, tile_c = _tile_shape(C, bias is None and initial_state is None)
         n_tiles, n_tcb = triton.cdiv(T, tile_t) * B, triton.cdiv(C, tile_c)
         y_parts, parts = _as_parts(y, C)
-        _conv_fwd_kernel[(programs(min(n_tiles, triton.cdiv(FWD_PROGRAMS, n_tcb)), n_tcb), n_tcb)](
+        _conv_fwd_kernel[(programs(min(n_tiles, _cap(FWD_PROGRAMS, n_tcb)), n_tcb), n_tcb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, *y_parts,
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
@@ -645,8 +657,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     n_tiles, dz_n_tiles = triton.cdiv(T, dx_block_t) * B, triton.cdiv(T, dz_block_t) * B
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS(_PLAIN) programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
-    dz_programs, dz_stages = (DZ_PROGRAMS_PLAIN, _stages(DZ_NUM_STAGES_PLAIN, x)) if plain else (DZ_PROGRAMS, DZ_NUM_STAGES)
-    n_prog = programs(min(dz_n_tiles, triton.cdiv(dz_programs, dz_n_cb)), dz_n_cb) if C > 0 else 0
+    dz_programs, dz_stages = (DZ_PROGRAMS_PLAIN, _stages(DZ_NUM_STAGES_PLAIN, x, W)) if plain else (DZ_PROGRAMS, DZ_NUM_STAGES)
+    n_prog = programs(min(dz_n_tiles, _cap(dz_programs, dz_n_cb)), dz_n_cb) if C > 0 else 0
     dx = out_buffer(dx, x, "dx")
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
     # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
@@ -670,7 +682,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
             BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=rows_align([x], 2),
             DY_ALIGN=rows_align(dy_parts[:3], 2), STAGES=dz_stages, num_warps=DZ_NUM_WARPS, **flags)
-        _conv_dx_kernel[(programs(min(n_tiles, triton.cdiv(DX_PROGRAMS, dx_n_cb)), dx_n_cb), dx_n_cb)](
+        _conv_dx_kernel[(programs(min(n_tiles, _cap(DX_PROGRAMS, dx_n_cb)), dx_n_cb), dx_n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             *row_strides(dx, 2), HAS_DFINAL=dfinal is not None, BLOCK_T=dx_block_t, BLOCK_C=dx_block_c,
             DX_ALIGN=rows_align([dx], 2), STAGES=DX_NUM_STAGES, num_warps=NUM_WARPS, **flags)
