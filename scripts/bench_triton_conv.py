@@ -210,54 +210,51 @@ def bench_dz_tiles(x, w, b, cu, init, dy):
     conv.DZ_BLOCK_T, conv.DZ_BLOCK_T_PLAIN, conv._dz_block_c, conv.DZ_NUM_WARPS = default
 
 
-def bench_stages(x, w, b, cu, init, dy):
-    """Backward time over the dz pass's pipelining depth (``DZ_NUM_STAGES`` and ``DZ_NUM_STAGES_PLAIN``, set alike:
-    1 is the plain loop) and program count (``DZ_PROGRAMS``, ``DZ_PROGRAMS_PLAIN``: fewer programs, more tiles each,
-    more to pipeline), for the layer's three convs of
-    Qwen3-Next (q, k, v: 2048, 2048 and 4096 channels of one pre-conv buffer, no bias or states, one dx buffer)
-    and the whole conv with bias and initial states; the shipped setting timed first and again last."""
-    names = ("DZ_NUM_STAGES", "DZ_PROGRAMS", "DZ_NUM_STAGES_PLAIN", "DZ_PROGRAMS_PLAIN")
+def _sweep_knobs(label, names, rows, runs, check):
+    """Sets the conv's knobs ``names`` to each row's values (None: as shipped, first and last), checks the outputs
+    (``check()``: relative errors against the shipped setting) and times ``runs``; restores the knobs."""
     shipped = tuple(getattr(conv, k) for k in names)
+    print(f"{label} (shipped: " + ", ".join(f"{k} {v}" for k, v in zip(names, shipped)) + ")")
+    for row in [None, *rows, None]:
+        for k, v in zip(names, shipped if row is None else row):
+            setattr(conv, k, v)
+        st, n = ("shipped", "") if row is None else row[:2]
+        try:
+            err = max(check())
+            t = [do_bench(fn, return_mode="median") for fn in runs]
+            print(f"  stages {st} programs {n:>5}: {t[0]:.3f} / {t[1]:.3f} ms  (max rel err {err:.1e})")
+        except Exception as e:  # a config the compiler refuses (shared memory)
+            print(f"  stages {st} programs {n:>5}: failed ({type(e).__name__})")
+    for k, v in zip(names, shipped):
+        setattr(conv, k, v)
+
+
+def bench_stages(x, w, b, cu, init, dy):
+    """The software pipelining depth (``*_NUM_STAGES``: 1 is the plain loop) and program count (``*_PROGRAMS``:
+    fewer programs, more tiles each, more to pipeline) of the dz pass (a row sets the plain variant's knobs and the
+    other's alike), then of the forward and of the dx pass (the dz pass as shipped). Each row times the layer's
+    three convs of Qwen3-Next (q, k, v: 2048, 2048 and 4096 channels of one pre-conv buffer, no bias or states,
+    one dx buffer) and the whole conv with bias and initial states (the dx pass's row with a final state's
+    gradient too), and checks their outputs against the shipped setting."""
     C = x.shape[-1]
     sizes = [C // 4, C // 4, C // 2]
     starts = (0, sizes[0], sizes[0] + sizes[1])
     dys = [p.contiguous() for p in dy.split(sizes, -1)]
     ws = w.split(sizes, 0)
     dx = torch.empty_like(dy)
+    dfinal = torch.randn(init.shape, device=init.device)
 
     def qkv():
         for d, s, wp in zip(dys, starts, ws):
             conv.causal_conv1d_bwd(d, None, x[..., s:s + d.shape[-1]], wp, None, cu, None, "silu",
                                    dx=dx[..., s:s + d.shape[-1]])
+        return [dx]
 
     def whole():
         return conv.causal_conv1d_bwd(dy, None, x, w, b, cu, init, "silu")
 
-    qkv()
-    want_dx, want = dx.clone(), whole()
-
-    print("dz pass pipelining (shipped: " + ", ".join(f"{k} {v}" for k, v in zip(names, shipped)) + "): backward "
-          "ms, the layer's q, k, v convs / the whole conv with bias and initial states (a row sets both variants)")
-    configs = [None] + [(st, n) for st in (1, 2, 3, 4) for n in (8192, 4096, 2048, 1024, 512, 256)] + [None]
-    for config in configs:
-        for k, v in zip(names, shipped if config is None else config * 2):
-            setattr(conv, k, v)
-        st, n = ("shipped", "") if config is None else config
-        try:
-            dx.zero_()
-            qkv()
-            got = whole()
-            errs = [rel_err(dx, want_dx)] + [rel_err(a, r) for a, r in zip(got, want) if a is not None]
-            t = [do_bench(fn, return_mode="median") for fn in (qkv, whole)]
-            print(f"stages {st} programs {n:>5}: {t[0]:.3f} / {t[1]:.3f}  (max rel err against the shipped "
-                  f"setting {max(errs):.1e})")
-        except Exception as e:  # a config the compiler refuses (shared memory)
-            print(f"stages {st} programs {n:>5}: failed ({type(e).__name__})")
-    for k, v in zip(names, shipped):
-        setattr(conv, k, v)
-    # the forward and the dx pass: the same two knobs each (all their variants: the dx pass's with dfinal is the
-    # whole conv's row), the dz pass as shipped
-    dfinal = torch.randn(init.shape, device=init.device)
+    def whole_df():
+        return conv.causal_conv1d_bwd(dy, dfinal, x, w, b, cu, init, "silu")
 
     def qkv_fwd():
         return [conv.causal_conv1d_fwd(x[..., s:s + d.shape[-1]], wp, None, cu, None, "silu", False)[0]
@@ -266,33 +263,25 @@ def bench_stages(x, w, b, cu, init, dy):
     def whole_fwd():
         return conv.causal_conv1d_fwd(x, w, b, cu, init, "silu", True)
 
-    def whole_df():
-        return conv.causal_conv1d_bwd(dy, dfinal, x, w, b, cu, init, "silu")
+    def qkv_zeroed():  # (checked from a zeroed buffer: a column left unwritten shows)
+        dx.zero_()
+        return qkv()
 
-    want_y, want_qkv_y, want_df = whole_fwd(), qkv_fwd(), whole_df()
-    for knob, runs in (("FWD", (qkv_fwd, whole_fwd)), ("DX", (qkv, whole_df))):
-        keys = (f"{knob}_NUM_STAGES", f"{knob}_PROGRAMS")
-        default = tuple(getattr(conv, k) for k in keys)
-        print(f"{knob} knobs (shipped: {keys[0]} {default[0]}, {keys[1]} {default[1]}): "
-              f"{'forward' if knob == 'FWD' else 'backward'} ms, the layer's q, k, v convs / the whole conv with "
-              f"bias and initial states{'' if knob == 'FWD' else ' and a final state gradient'} (max rel err against "
-              f"the shipped setting)")
-        for st, n in [default] + [(st, n) for st in (1, 2, 3) for n in (65535, 4096, 2048, 1024, 512)] + [default]:
-            setattr(conv, keys[0], st)
-            setattr(conv, keys[1], n)
-            try:
-                if knob == "FWD":
-                    errs = [rel_err(a, r) for a, r in zip(whole_fwd() + tuple(qkv_fwd()), want_y + tuple(want_qkv_y))]
-                else:
-                    dx.zero_()
-                    qkv()
-                    errs = [rel_err(dx, want_dx)] + [rel_err(a, r) for a, r in zip(whole_df(), want_df) if a is not None]
-                t = [do_bench(fn, return_mode="median") for fn in runs]
-                print(f"{knob} stages {st} programs {n:>5}: {t[0]:.3f} / {t[1]:.3f}  (max rel err {max(errs):.1e})")
-            except Exception as e:  # a config the compiler refuses (shared memory)
-                print(f"{knob} stages {st} programs {n:>5}: failed ({type(e).__name__})")
-        for k, v in zip(keys, default):
-            setattr(conv, k, v)
+    def against(*fns):
+        """check() of _sweep_knobs: the outputs of fns against theirs now (the shipped setting)."""
+        want = [t.clone() for fn in fns for t in fn() if t is not None]
+        return lambda: [rel_err(a, r) for a, r in zip([t for fn in fns for t in fn() if t is not None], want)]
+
+    _sweep_knobs("dz pass: backward ms, the layer's q, k, v convs / the whole conv with bias and initial states",
+                 ("DZ_NUM_STAGES", "DZ_PROGRAMS", "DZ_NUM_STAGES_PLAIN", "DZ_PROGRAMS_PLAIN"),
+                 [(st, n) * 2 for st in (1, 2, 3, 4) for n in (8192, 4096, 2048, 1024, 512, 256)],
+                 (qkv, whole), against(qkv_zeroed, whole))
+    rows = [(st, n) for st in (1, 2, 3) for n in (65535, 4096, 2048, 1024, 512)]
+    _sweep_knobs("forward: ms, the layer's q, k, v convs / the whole conv with bias and initial states",
+                 ("FWD_NUM_STAGES", "FWD_PROGRAMS"), rows, (qkv_fwd, whole_fwd), against(qkv_fwd, whole_fwd))
+    _sweep_knobs("dx pass: backward ms, the layer's q, k, v convs / the whole conv with bias, initial states and "
+                 "a final state's gradient", ("DX_NUM_STAGES", "DX_PROGRAMS"), rows, (qkv, whole_df),
+                 against(qkv_zeroed, whole_df))
 
 
 def bench_split(x, w, b, cu, init, dy):

@@ -96,6 +96,10 @@ def test_l2norm_with_few_programs_matches_reference(monkeypatch):
 def test_grid_helper_caps_the_product_of_axes():
     assert _grid.programs(10, 4) == 10 and _grid.programs(10 ** 6, 128) == 65535 // 128
     assert _grid.programs(0, 7) == 0 and _grid.programs(10 ** 6) == 65535
+    # a launcher's own cap over all axes (cdiv over the other axes), at least one program per other-axis block
+    assert _grid.programs(10 ** 6, 32, 512) == 16 and _grid.programs(10 ** 6, 3, 512) == 171
+    assert _grid.programs(10, 32, 512) == 10 and _grid.programs(10 ** 6, 4, 0) == 1
+    assert _grid.programs(10 ** 6, 128, 10 ** 9) == 65535 // 128
     with pytest.raises(ValueError, match="65535"):
         _grid.programs(5, 65536)
 

@@ -12,13 +12,23 @@ from __future__ import annotations
 MAX_PROGRAMS = 65535
 
 
-def programs(tiles: int, other_axes: int = 1) -> int:
+def programs(tiles: int, other_axes: int = 1, cap: int = MAX_PROGRAMS) -> int:
     """Programs on the long axis for ``tiles`` tiles when the other axes hold ``other_axes`` programs
-    together (0 when there are no tiles).
+    together (0 when there are no tiles). ``cap``: a launcher's own bound on the programs of all axes
+    together (a tuning knob, e.g. the conv's ``DZ_PROGRAMS``); at least one program per other-axis block
+    whatever it is, so that a cap below 1 still writes every output.
 
     Raises:
         ValueError: the other axes alone exceed ``MAX_PROGRAMS``.
     """
     if other_axes > MAX_PROGRAMS:
         raise ValueError(f"a launch's other grid axes hold {other_axes} programs, more than {MAX_PROGRAMS}")
-    return min(tiles, MAX_PROGRAMS // max(other_axes, 1))
+    other_axes = max(other_axes, 1)
+    return min(tiles, MAX_PROGRAMS // other_axes, -(-max(1, min(cap, MAX_PROGRAMS)) // other_axes))
+
+
+def on_cuda(x) -> bool:
+    """Whether ``x`` is on a CUDA device. The launchers' CUDA-only kernel variants (the gated norm's hardware
+    rounding, the conv's pipelined dz pass) ask this one function, read as ``_grid.on_cuda``, so that the
+    compile probes can let CPU tensors stand in for CUDA ones by patching it."""
+    return x.is_cuda

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .. import cu_cache
+from . import _grid
 from ._grid import programs
 from ._layout import narrow_offsets, out_buffer, row_strides, rows_align
 
@@ -523,17 +524,7 @@ def _stages(stages: int, x: torch.Tensor, W: int) -> int:
     conv); 1 (the plain loop) otherwise: Ascend's compiler reads ``num_stages`` its own way, and with 8-byte
     inputs and W >= 6, or fp32 and W = 16, three stages of prefetched taps exceed an H200's 227 KB of shared
     memory (sm_90 compile on the CPU)."""
-    return stages if _on_cuda(x) and x.element_size() <= 2 and W <= 4 else 1
-
-
-def _on_cuda(x: torch.Tensor) -> bool:
-    return x.is_cuda
-
-
-def _cap(programs_knob: int, other_axes: int) -> int:
-    """Programs on the long axis for a ``*_PROGRAMS`` knob spread over ``other_axes`` channel blocks (at least 1,
-    whatever the knob: a knob of 0 must not launch nothing and leave the outputs unwritten)."""
-    return triton.cdiv(max(1, programs_knob), other_axes)
+    return stages if _grid.on_cuda(x) and x.element_size() <= 2 and W <= 4 else 1
 
 
 def _compute_dtype(*tensors):
@@ -606,7 +597,7 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
         tile_t, tile_c = _tile_shape(C, bias is None and initial_state is None)
         n_tiles, n_tcb = triton.cdiv(T, tile_t) * B, triton.cdiv(C, tile_c)
         y_parts, parts = _as_parts(y, C)
-        _conv_fwd_kernel[(programs(min(n_tiles, _cap(FWD_PROGRAMS, n_tcb)), n_tcb), n_tcb)](
+        _conv_fwd_kernel[(programs(n_tiles, n_tcb, FWD_PROGRAMS), n_tcb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, *y_parts,
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
@@ -658,7 +649,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS(_PLAIN) programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
     dz_programs, dz_stages = (DZ_PROGRAMS_PLAIN, _stages(DZ_NUM_STAGES_PLAIN, x, W)) if plain else (DZ_PROGRAMS, DZ_NUM_STAGES)
-    n_prog = programs(min(dz_n_tiles, _cap(dz_programs, dz_n_cb)), dz_n_cb) if C > 0 else 0
+    n_prog = programs(dz_n_tiles, dz_n_cb, dz_programs) if C > 0 else 0
     dx = out_buffer(dx, x, "dx")
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
     # which is rounded to that dtype anyway (dweight and dbias are summed from the fp32 values in
@@ -682,7 +673,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
             BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=rows_align([x], 2),
             DY_ALIGN=rows_align(dy_parts[:3], 2), STAGES=dz_stages, num_warps=DZ_NUM_WARPS, **flags)
-        _conv_dx_kernel[(programs(min(n_tiles, _cap(DX_PROGRAMS, dx_n_cb)), dx_n_cb), dx_n_cb)](
+        _conv_dx_kernel[(programs(n_tiles, dx_n_cb, DX_PROGRAMS), dx_n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             *row_strides(dx, 2), HAS_DFINAL=dfinal is not None, BLOCK_T=dx_block_t, BLOCK_C=dx_block_c,
             DX_ALIGN=rows_align([dx], 2), STAGES=DX_NUM_STAGES, num_warps=NUM_WARPS, **flags)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _grid
 from ._grid import programs
 from ._layout import row_align, unit_last
 from ._math import compute_tl_dtype, rne_by, sigmoid, tl_dtype
@@ -142,7 +143,7 @@ def _norm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_part, N, NB, stride_dy, strid
 
 def _hw_rne(x: torch.Tensor) -> bool:
     """Round by the device's conversions (``_math.rne_by``) on CUDA, when ``HW_RNE`` is on."""
-    return HW_RNE and x.is_cuda
+    return HW_RNE and _grid.on_cuda(x)
 
 
 def _rows_align(D: int, *rows: torch.Tensor) -> tuple:
