@@ -1,6 +1,6 @@
 """GPU check and timing of the Triton causal conv1d (kernels/triton/conv.py). Needs CUDA.
 
-    python3 scripts/bench_triton_conv.py [--quick | --sweep | --stages]
+    python3 scripts/bench_triton_conv.py [--quick | --sweep | --stages | --stages-fwd-dx]
 
 1. compiled variants stay fixed across packed layouts (T, N, lengths) once each flag combination ran;
 2. forward + backward make no host sync (torch.cuda.set_sync_debug_mode("error"));
@@ -11,7 +11,8 @@
 
 --quick times the shipped block config only; --sweep skips 1-3 and the comparisons and times the block
 configs and the dz pass's tiles only; --stages times only the software pipelining (``*_NUM_STAGES``) and
-program counts (``*_PROGRAMS``) of the dz pass, the forward and the dx pass.
+program counts (``*_PROGRAMS``) of the dz pass, the forward and the dx pass; --stages-fwd-dx those of the
+forward and the dx pass only.
 """
 import os
 import sys
@@ -123,7 +124,7 @@ def check_int64_offsets():
     del buf, x, y, dx, dy
 
 
-def bench(quick, sweep=False, stages=False):
+def bench(quick, sweep=False, stages=False, dz=True):
     C, W, T, extra = 8192, 4, 32768, 2048
     buf = torch.randn(1, T, C + extra, device="cuda", dtype=torch.bfloat16)
     x = buf[..., :C]
@@ -137,7 +138,7 @@ def bench(quick, sweep=False, stages=False):
     fwd_bytes, bwd_bytes = 2 * T * C * 2, 3 * T * C * 2
     print(f"copy bandwidth {bw:.2f} TB/s; floors: fwd {fwd_bytes / bw / 1e9:.3f} ms, bwd {bwd_bytes / bw / 1e9:.3f} ms")
     if stages:
-        bench_stages(x, w, b, cu, init, dy)
+        bench_stages(x, w, b, cu, init, dy, dz)
         return
     ref_ms = do_bench(lambda: reference.causal_conv1d(x, w, b, "silu", cu, init, True), return_mode="median")
     print(f"torch reference forward: {ref_ms:.3f} ms")
@@ -229,7 +230,7 @@ def _sweep_knobs(label, names, rows, runs, check):
         setattr(conv, k, v)
 
 
-def bench_stages(x, w, b, cu, init, dy):
+def bench_stages(x, w, b, cu, init, dy, dz=True):
     """The software pipelining depth (``*_NUM_STAGES``: 1 is the plain loop) and program count (``*_PROGRAMS``:
     fewer programs, more tiles each, more to pipeline) of the dz pass (a row sets the plain variant's knobs and the
     other's alike), then of the forward and of the dx pass (the dz pass as shipped). Each row times the layer's
@@ -272,10 +273,11 @@ def bench_stages(x, w, b, cu, init, dy):
         want = [t.clone() for fn in fns for t in fn() if t is not None]
         return lambda: [rel_err(a, r) for a, r in zip([t for fn in fns for t in fn() if t is not None], want)]
 
-    _sweep_knobs("dz pass: backward ms, the layer's q, k, v convs / the whole conv with bias and initial states",
-                 ("DZ_NUM_STAGES", "DZ_PROGRAMS", "DZ_NUM_STAGES_PLAIN", "DZ_PROGRAMS_PLAIN"),
-                 [(st, n) * 2 for st in (1, 2, 3, 4) for n in (8192, 4096, 2048, 1024, 512, 256)],
-                 (qkv, whole), against(qkv_zeroed, whole))
+    if dz:
+        _sweep_knobs("dz pass: backward ms, the layer's q, k, v convs / the whole conv with bias and initial states",
+                     ("DZ_NUM_STAGES", "DZ_PROGRAMS", "DZ_NUM_STAGES_PLAIN", "DZ_PROGRAMS_PLAIN"),
+                     [(st, n) * 2 for st in (1, 2, 3, 4) for n in (8192, 4096, 2048, 1024, 512, 256)],
+                     (qkv, whole), against(qkv_zeroed, whole))
     rows = [(st, n) for st in (1, 2, 3) for n in (65535, 4096, 2048, 1024, 512)]
     _sweep_knobs("forward: ms, the layer's q, k, v convs / the whole conv with bias and initial states",
                  ("FWD_NUM_STAGES", "FWD_PROGRAMS"), rows, (qkv_fwd, whole_fwd), against(qkv_fwd, whole_fwd))
@@ -329,8 +331,9 @@ if __name__ == "__main__":
     help_if_asked(__doc__)
     require_cuda("bench_triton_conv.py")
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
-    if "--sweep" not in sys.argv and "--stages" not in sys.argv:
+    stages = "--stages" in sys.argv or "--stages-fwd-dx" in sys.argv
+    if "--sweep" not in sys.argv and not stages:
         check_against_reference()
         check_recompiles_and_syncs()
         check_int64_offsets()
-    bench("--quick" in sys.argv, sweep="--sweep" in sys.argv, stages="--stages" in sys.argv)
+    bench("--quick" in sys.argv, sweep="--sweep" in sys.argv, stages=stages, dz="--stages-fwd-dx" not in sys.argv)
