@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gdn_layer.kernels import reference
-from gdn_layer.kernels.triton import _layout, conv
+from gdn_layer.kernels.triton import _grid, _layout, conv
 from launch_spy import LaunchSpy
 
 SCAN_TOOL = pathlib.Path("/work/shared/tools/scan_triton.py")
@@ -145,19 +145,18 @@ def test_dz_pass_takes_the_plain_tile_without_bias_and_initial_states(monkeypatc
     assert spy.grids[0][0] == (1 if plain else 2), spy.grids
 
 
-def test_the_dz_pass_pipelines_where_measured_only():
+def test_the_dz_pass_pipelines_where_measured_only(monkeypatch):
     """The plain dz pass's pipelining depth was measured on an H200 with bf16 and W = 4; other devices (Ascend's
     compiler reads ``num_stages`` its own way, the interpreter ignores it) get the plain loop, and so do 4- and
     8-byte inputs and W > 4 (three stages of an fp64 conv with W >= 6 exceed the H200's shared memory)."""
-    import types
+    def x(dtype):
+        return torch.empty(1, dtype=dtype)
 
-    def on_cuda(dtype):
-        return types.SimpleNamespace(is_cuda=True, element_size=lambda: torch.empty(0, dtype=dtype).element_size())
-
-    assert conv._stages(3, torch.empty(1, dtype=torch.bfloat16), 4) == 1
-    assert conv._stages(3, on_cuda(torch.bfloat16), 4) == 3 and conv._stages(3, on_cuda(torch.float16), 2) == 3
-    assert conv._stages(3, on_cuda(torch.float32), 4) == 1 and conv._stages(3, on_cuda(torch.float64), 4) == 1
-    assert conv._stages(3, on_cuda(torch.bfloat16), 5) == 1
+    assert conv._stages(3, x(torch.bfloat16), 4) == 1
+    monkeypatch.setattr(_grid, "on_cuda", lambda x: True)   # (the one CUDA predicate, as the compile probe sets it)
+    assert conv._stages(3, x(torch.bfloat16), 4) == 3 and conv._stages(3, x(torch.float16), 2) == 3
+    assert conv._stages(3, x(torch.float32), 4) == 1 and conv._stages(3, x(torch.float64), 4) == 1
+    assert conv._stages(3, x(torch.bfloat16), 5) == 1
 
 
 @pytest.mark.parametrize("knob", ["FWD_PROGRAMS", "DX_PROGRAMS", "DZ_PROGRAMS", "DZ_PROGRAMS_PLAIN"])
