@@ -165,7 +165,7 @@ def _outgoing_map(layer, qkvgb, plan, own) -> torch.Tensor:
     part = [t[:, lo:] for t in (q, k, v, g, beta)]
     run = lambda vv, init: chunk_gated_delta_rule(  # noqa: E731
         part[0], part[1], vv, part[3], part[4], initial_state=init, output_final_state=True,
-        use_qk_l2norm=True, backend=layer._backend)[1]
+        use_qk_l2norm=not layer._qk_l2norm_in_conv(q, plan.cu_local), backend=layer._backend)[1]
     if plan.outgoing == plan.incoming:  # the sequence passes through the whole slice
         eye = torch.eye(Dk, dtype=dt, device=v.device).expand(1, hv, Dk, Dk)
         M = run(part[2].new_zeros(*part[2].shape[:3], Dk), eye)

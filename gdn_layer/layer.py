@@ -14,6 +14,7 @@ from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.derived import derived_from_sizes
 from gdn_layer.kernels import (causal_conv1d, causal_conv1d_gate, chunk_gated_delta_rule, gdn_gate,
                                recurrent_gated_delta_rule)
+from gdn_layer.kernels.registry import conv_fuses_l2norm
 from gdn_layer.kernels.validation import skip_value_checks
 from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import (gather_heads, head_to_seq, partition_heads, project_seq_to_head, resolve_sp_group,
@@ -341,9 +342,11 @@ class GatedDeltaNet(nn.Module):
             # training / prefill: one op reads q, k, v, a and b in place from mixed and writes q, k, v as three
             # contiguous tensors (which the chunk kernels take as they are); its backward writes the whole
             # gradient of mixed as one buffer, each kernel its own columns (kernels/api.py, causal_conv1d_gate)
+            # (on a backend whose conv fuses it, q and k come L2-normalised: _qk_l2norm_in_conv)
             (q, k, v), g, beta, conv_state = causal_conv1d_gate(
                 mixed, weight, A_log, dt_bias, widths, cu_seqlens=cu, initial_state=initial_state,
-                output_final_state=output_state, backend=self._backend)
+                output_final_state=output_state, backend=self._backend,
+                l2norm_head_dim=Dk if self._qk_l2norm_in_conv(mixed, cu) else None)
         else:
             # decode (one token per sequence): one conv launch for all channels
             x, a, b = mixed.split([C, hv, hv], -1)
@@ -358,8 +361,16 @@ class GatedDeltaNet(nn.Module):
         """Recurrent kernel when every sequence has at most one token (decode), chunk kernel otherwise;
         ``initial_state`` has this rank's value heads (or is None)."""
         kernel = recurrent_gated_delta_rule if _is_decode(q, cu) else chunk_gated_delta_rule
-        return kernel(q, k, v, g, beta, initial_state=initial_state,
-                      output_final_state=output_state, cu_seqlens=cu, use_qk_l2norm=True, backend=self._backend)
+        return kernel(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_state, cu_seqlens=cu,
+                      use_qk_l2norm=not self._qk_l2norm_in_conv(q, cu), backend=self._backend)
+
+    def _qk_l2norm_in_conv(self, x, cu) -> bool:
+        """Whether ``_conv_gate`` returns q and k L2-normalised (training / prefill on a backend whose conv
+        kernels fuse the norm, ``registry.conv_fuses_l2norm``; saves the norm's two kernels per call and its
+        backward's), so that the delta rule runs with ``use_qk_l2norm=False``; else the delta rule normalises.
+        From the shapes (``x``: mixed or q) and the backend alone, so the conv and every delta-rule call on its
+        q and k (``_delta_rule``, the CP maps) agree."""
+        return not _is_decode(x, cu) and conv_fuses_l2norm(self._backend, x.device)
 
     def _full_state(self, conv_state, recurrent_state) -> GDNState:
         """Under SP, gather every rank's heads into the full state (transformers' channel order)."""

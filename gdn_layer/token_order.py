@@ -173,7 +173,7 @@ def _recurrent_initial_state(layer, qkvgb, plan, state):
     dt = own.dtype
     run = lambda vv, init: chunk_gated_delta_rule(  # noqa: E731
         q, k, vv, g, beta, initial_state=init, output_final_state=True, cu_seqlens=plan.cu_local,
-        use_qk_l2norm=True, backend=layer._backend)[1]
+        use_qk_l2norm=not layer._qk_l2norm_in_conv(q, plan.cu_local), backend=layer._backend)[1]
     # per piece S_out = M S_in + H: M from I with v = 0, H from the document's own state (first piece)
     # or from zero (later pieces)
     eye = torch.eye(Dk, dtype=dt, device=v.device).expand(K, hv, Dk, Dk)

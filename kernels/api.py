@@ -158,9 +158,10 @@ def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
 
 
 def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="silu", cu_seqlens=None,
-                       initial_state=None, output_final_state=False, backend="auto"):
+                       initial_state=None, output_final_state=False, backend="auto", l2norm_head_dim=None):
     """The layer's conv and gate from its pre-conv buffer ``[x | a | b]``, as one differentiable op:
-    ``causal_conv1d_split(x, weight, split_sizes, ...)`` (no bias) and ``gdn_gate(a, b, A_log, dt_bias)``.
+    ``causal_conv1d_split(x, weight, split_sizes, ...)`` (no bias) and ``gdn_gate(a, b, A_log, dt_bias)``;
+    with ``l2norm_head_dim`` also the gated delta rule's q / k norm of the first two parts.
 
     Its backward returns the gradient of ``mixed`` as one buffer: on a backend with ``grads_into`` (the
     CUDA and Ascend ones) the conv's dx passes and the gate's backward write their own columns of it, so no
@@ -173,6 +174,12 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
         split_sizes, activation, cu_seqlens (``[N + 1]``, requires B == 1), initial_state (``[N, C, W - 1]``),
             output_final_state, backend: as ``causal_conv1d_split``. No conv bias: for a conv with bias call
             ``causal_conv1d_split`` and ``gdn_gate``.
+        l2norm_head_dim: None, or a positive int D dividing ``split_sizes[0]`` and ``split_sizes[1]``: those two
+            parts (q and k) are L2-normalised over each head of D channels after the activation,
+            ``y / sqrt(sum_head y^2 + 1e-6)`` (fla's ``l2norm``; then pass ``use_qk_l2norm=False`` to the delta
+            rule). Inside the conv kernels on a backend with ``conv_l2norm`` (the CUDA ones:
+            ``registry.conv_fuses_l2norm``), in torch after the conv elsewhere; either way the backward goes
+            through the norm from the normalised q, k and their saved factors ``rstd`` (no recompute).
 
     Returns:
         ``(ys, g, beta, final_state)``: ys a list of contiguous ``[B, T, size]`` in mixed's dtype, one per
@@ -181,8 +188,9 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
         initial_state is float64) or None.
 
     Raises:
-        TypeError / ValueError naming the argument: ``causal_conv1d_split``'s and ``gdn_gate``'s checks, and
-        ``mixed``'s width against ``split_sizes`` and H.
+        TypeError / ValueError naming the argument: ``causal_conv1d_split``'s and ``gdn_gate``'s checks,
+        ``mixed``'s width against ``split_sizes`` and H, and ``l2norm_head_dim`` (an int dividing q's and k's
+        widths).
     """
     check_flags(output_final_state=output_final_state)
     check_float_tensors(mixed=mixed, weight=weight, A_log=A_log, dt_bias=dt_bias)
@@ -199,7 +207,17 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
     # (the gate's inputs are checked above: a and b are mixed's last 2H columns)
     _, cu = check_conv_inputs(mixed[..., :C], weight, None, initial_state, cu_seqlens, activation,
                               x_name="mixed[..., :C]")
+    l2norm_dim = 0
+    if l2norm_head_dim is not None:
+        if isinstance(l2norm_head_dim, bool) or not isinstance(l2norm_head_dim, int):
+            raise TypeError(f"l2norm_head_dim must be None or an int, got {type(l2norm_head_dim).__name__}")
+        if l2norm_head_dim <= 0:
+            raise ValueError(f"l2norm_head_dim must be positive, got {l2norm_head_dim}")
+        if any(w % l2norm_head_dim for w in sizes[:2]):
+            raise ValueError(f"l2norm_head_dim = {l2norm_head_dim} must divide split_sizes[0] and split_sizes[1] "
+                             f"(whole heads of q and k), got split_sizes {list(split_sizes)}")
+        l2norm_dim = l2norm_head_dim
     name = backend_name(backend, mixed.device)
-    *ys, g, beta, final = ops.conv_gate_op(mixed, weight, A_log, dt_bias, initial_state, cu, sizes,
-                                           _activation(activation), output_final_state, name)
+    *ys, g, beta, final, _, _ = ops.conv_gate_op(mixed, weight, A_log, dt_bias, initial_state, cu, sizes,
+                                                 _activation(activation), output_final_state, l2norm_dim, name)
     return ys[:len(split_sizes)], g, beta, (final if output_final_state else None)

@@ -86,9 +86,10 @@ def make_backend():
     exact = fla_backend.exact_chunk_index
     # conv_splits=False: one conv per part. The split conv's first kernels (a select of pointers) crashed
     # triton-ascend 3.2.0's lowering; the masked per-part access since lowers (tests/ascend_probe.py
-    # --split-conv) but is not timed on an NPU
+    # --split-conv) but is not timed on an NPU. conv_l2norm=False: the conv's fused q / k norm (a reshape of
+    # the channel block into heads) was never lowered by triton-ascend; the chunk kernels normalise
     return dataclasses.replace(fla_backend.make_backend(), name="ascend", available=available, priority=10,
-                               conv_splits=False,
+                               conv_splits=False, conv_l2norm=False,
                                recurrent_gated_delta_rule=recurrent_fwd,
                                chunk_gated_delta_rule=functools.partial(fla_backend.chunk_fwd, index=exact),
                                chunk_gated_delta_rule_bwd=functools.partial(fla_backend.chunk_bwd, index=exact))

@@ -230,7 +230,7 @@ def make_backend():
         causal_conv1d=conv_fwd, gated_rms_norm=norm_fwd, available=available, priority=10,
         gdn_gate=gate_fwd, chunk_gated_delta_rule_bwd=chunk_bwd, recurrent_gated_delta_rule_bwd=recurrent_bwd,
         causal_conv1d_bwd=conv_bwd, gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True,
-        grads_into=True, conv_splits=CONV_SPLITS)
+        grads_into=True, conv_splits=CONV_SPLITS, conv_l2norm=True)
 
 
 register_backend(make_backend())

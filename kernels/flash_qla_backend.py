@@ -187,7 +187,7 @@ def make_backend():
         gdn_gate=gate_fwd, chunk_gated_delta_rule_bwd=chunk_bwd,
         recurrent_gated_delta_rule_bwd=fla_backend.recurrent_bwd, causal_conv1d_bwd=conv_bwd,
         gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True, grads_into=True,
-        conv_splits=fla_backend.CONV_SPLITS,
+        conv_splits=fla_backend.CONV_SPLITS, conv_l2norm=True,
         warmup_sequence_counts=warmup_sequence_counts, as_in_capture=as_in_capture)
 
 

@@ -37,9 +37,12 @@ Ops (inputs already validated by ``api.py``; optional outputs come back as empty
 - ``gdn_gate``: ``(a, b, A_log, dt_bias, backend) -> (g [B,T,H] fp32|fp64, beta b.dtype)``
 - ``gated_rms_norm``: ``(x, z, weight, eps, backend) -> y x.dtype``
 - ``conv_gate``: the layer's conv and gate from its pre-conv buffer in one op, ``(mixed [B,T,C+2H], weight,
-  A_log, dt_bias, initial_state?, cu_seqlens?, split_sizes, activation, output_final_state, backend) ->
-  (y0, y1, y2, g, beta, final)`` (``causal_conv1d_split`` of ``mixed[..., :C]`` without bias, ``gdn_gate`` of
-  its last 2H columns); its backward returns one ``dmixed`` buffer, written in place by the kernels of a
+  A_log, dt_bias, initial_state?, cu_seqlens?, split_sizes, activation, output_final_state, l2norm_dim,
+  backend) -> (y0, y1, y2, g, beta, final, rstd0, rstd1)`` (``causal_conv1d_split`` of ``mixed[..., :C]``
+  without bias, ``gdn_gate`` of its last 2H columns; ``l2norm_dim`` > 0: y0 and y1 L2-normalised per head of
+  that many channels, inside the conv on a backend with ``conv_l2norm``, and ``rstd0, rstd1
+  [B,T,size_i/l2norm_dim]`` their factors in the math dtype, empty without l2norm_dim, which the backward takes
+  with y0 and y1); its backward returns one ``dmixed`` buffer, written in place by the kernels of a
   backend with ``grads_into`` (no ``[dx | da | db]`` concatenation), its parts copied in on the others
 """
 from __future__ import annotations
@@ -307,13 +310,15 @@ def _causal_conv1d_bwd(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, weight: 
 
 
 def _conv_bwd(b, dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state,
-              dx_into=None):
+              dx_into=None, l2norm_out=None):
     """``(dx, dweight, dbias, dinitial)`` in the inputs' dtypes (empty for a None bias / initial state);
     dy is a tensor, or a list of parts for a backend with ``conv_splits``. ``dx_into``: None, or a view
-    (x's shape and dtype) that dx is written into and returned as (``_into``)."""
+    (x's shape and dtype) that dx is written into and returned as (``_into``). ``l2norm_out``: ``(y, rstd)`` of
+    a conv whose backend normalised its output (``_fuses_l2norm``; dy is that of the normalised y)."""
     if b.causal_conv1d_bwd is not None:
+        fused = {"l2norm_out": tuple(l2norm_out)} if l2norm_out is not None else {}
         dx, dw, db, dh0 = b.causal_conv1d_bwd(dy, dfinal, x, weight, bias, activation=activation, cu=cu_seqlens,
-                                              initial_state=initial_state, **_into_kwargs(b, dx=dx_into))
+                                              initial_state=initial_state, **_into_kwargs(b, dx=dx_into), **fused)
     else:
         def f(x, weight, bias, h0):
             y, fin = b.causal_conv1d(x, weight, bias=bias, activation=activation, cu=cu_seqlens, initial_state=h0,
@@ -361,27 +366,67 @@ causal_conv1d_op = _entry(_CausalConv1d, _conv_fwd_op)
 def _causal_conv1d_split(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
                          cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str,
                          output_final_state: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    b = backend_by_name(backend)
+    ys, final, _ = _split_conv_fwd(backend_by_name(backend), x, weight, bias, initial_state, cu_seqlens,
+                                   split_sizes, activation, output_final_state)
+    return _distinct([*ys, final], x, initial_state)
+
+
+def _fuses_l2norm(b) -> bool:
+    """Whether backend ``b``'s conv normalises the q / k parts itself (``registry.conv_fuses_l2norm``)."""
+    return b.conv_l2norm and not b.conv_splits and b.causal_conv1d_bwd is not None
+
+
+def _split_conv_fwd(b, x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state,
+                    l2norm_dim=0):
+    """``(ys, final, rstds)`` of ``causal_conv1d_split`` on backend ``b`` (ys in x's dtype, final in the math
+    dtype, empty without output_final_state). ``l2norm_dim`` > 0: the first two parts (q and k) L2-normalised over
+    each head of that many channels (in the conv on a backend that ``_fuses_l2norm``, else in torch after it),
+    rstds their factors ``[B, T, size // l2norm_dim]`` (math dtype) for ``_split_conv_bwd``; else rstds empty."""
     sizes = list(split_sizes)
     kwargs = dict(activation=activation, cu=cu_seqlens, output_final_state=output_final_state)
+    fused = bool(l2norm_dim) and _fuses_l2norm(b)
+    dt = math_dtype(x, weight, bias, initial_state)
+    rstds = [x.new_empty(_EMPTY, dtype=dt), x.new_empty(_EMPTY, dtype=dt)]
     if b.conv_splits:
         ys, final = b.causal_conv1d(x, weight, bias=bias, initial_state=initial_state, split_sizes=sizes, **kwargs)
         if not isinstance(ys, (list, tuple)) or len(ys) != len(sizes):
-            raise TypeError(f"backend {backend!r} has conv_splits=True, so its causal_conv1d must return a list of "
+            raise TypeError(f"backend {b.name!r} has conv_splits=True, so its causal_conv1d must return a list of "
                             f"[B, T, size] tensors for split_sizes={sizes}; set conv_splits=False if it does not")
     else:   # one conv per non-empty part: no copies (each part's y is contiguous)
         ys, finals = [], []
-        for w, (xi, wi, bi, hi) in zip(sizes, _split_inputs(sizes, x, weight, bias, initial_state)):
+        for i, (w, (xi, wi, bi, hi)) in enumerate(zip(sizes, _split_inputs(sizes, x, weight, bias, initial_state))):
             if w == 0:
                 ys.append(x.new_empty(*x.shape[:2], 0))
+                if fused and i < 2:
+                    rstds[i] = x.new_empty(*x.shape[:2], 0, dtype=dt)
                 continue
-            yi, fi = b.causal_conv1d(xi, wi, bias=bi, initial_state=hi, **kwargs)
+            if fused and i < 2:
+                yi, fi, ri = b.causal_conv1d(xi, wi, bias=bi, initial_state=hi, l2norm_dim=l2norm_dim, **kwargs)
+                rstds[i] = ri.to(dt)
+            else:
+                yi, fi = b.causal_conv1d(xi, wi, bias=bi, initial_state=hi, **kwargs)
             ys.append(yi)
             finals.append(fi)
         final = torch.cat(finals, 1) if output_final_state else None
-    dt = math_dtype(x, weight, bias, initial_state)
+    ys = [y.to(x.dtype) for y in ys]
+    if l2norm_dim and not fused:
+        for i in range(min(2, len(ys))):
+            heads = ys[i].to(dt).unflatten(-1, (-1, l2norm_dim))
+            rstds[i] = torch.rsqrt(heads.square().sum(-1) + L2NORM_EPS)
+            ys[i] = (heads * rstds[i][..., None]).flatten(-2).to(x.dtype)
     final = final.to(dt) if final is not None else x.new_empty(_EMPTY, dtype=dt)
-    return _distinct([*(y.to(x.dtype) for y in ys), final], x, initial_state)
+    return ys, final, rstds
+
+
+L2NORM_EPS = 1e-6   # (fla's l2norm; kernels/triton/l2norm.py, reference.l2norm)
+
+
+def _l2norm_bwd_from_output(y: Tensor, rstd: Tensor, dy: Tensor) -> Tensor:
+    """Gradient through ``y = heads * rstd`` (``_split_conv_fwd``'s torch norm) from y and rstd, in rstd's dtype:
+    ``(dy - y sum_head(dy y)) rstd``."""
+    h = y.to(rstd.dtype).unflatten(-1, (rstd.shape[-1], -1))
+    g = dy.to(rstd.dtype).unflatten(-1, (rstd.shape[-1], -1))
+    return ((g - h * (g * h).sum(-1, keepdim=True)) * rstd[..., None]).flatten(-2)
 
 
 def _causal_conv1d_split_fake(x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state,
@@ -402,19 +447,26 @@ def _causal_conv1d_split_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dfinal: Opti
 
 
 def _split_conv_bwd(b, dys, dfinal, x, weight, bias, initial_state, cu_seqlens, activation, output_final_state,
-                    dx_into=None):
+                    dx_into=None, l2norm_out=None):
     """``_conv_bwd`` of a split conv (``dys``: the 3 parts' gradients): one call on a backend with
     ``conv_splits``, else one per non-empty part, as the forward ran it, the gradients concatenated (dx
-    written into ``dx_into``'s column parts instead, when given)."""
+    written into ``dx_into``'s column parts instead, when given). ``l2norm_out``: None, or ``[(y0, rstd0),
+    (y1, rstd1)]`` of a ``_split_conv_fwd`` with ``l2norm_dim`` (dys of the first two parts are those of the
+    normalised outputs): through the norm in the backend's conv backward where it ``_fuses_l2norm``, else here."""
+    sizes = [d.shape[-1] for d in dys]
+    fused = l2norm_out is not None and _fuses_l2norm(b)
+    if l2norm_out is not None and not fused:
+        dys = [_l2norm_bwd_from_output(*l2norm_out[i], dy).to(dy.dtype) if i < 2 and sizes[i] else dy
+               for i, dy in enumerate(dys)]
     if b.conv_splits and b.causal_conv1d_bwd is not None:
         return _conv_bwd(b, list(dys), dfinal, x, weight, bias, initial_state, cu_seqlens, activation,
                          output_final_state, dx_into)
-    sizes = [d.shape[-1] for d in dys]
     dfs = [None] * 3 if dfinal is None else dfinal.split(sizes, 1)
     dxs = [None] * 3 if dx_into is None else dx_into.split(sizes, -1)
-    parts = [_conv_bwd(b, dy, df, xi, wi, bi, hi, cu_seqlens, activation, output_final_state, dxi)
-             for w, dy, df, dxi, (xi, wi, bi, hi) in zip(sizes, dys, dfs, dxs,
-                                                         _split_inputs(sizes, x, weight, bias, initial_state)) if w]
+    parts = [_conv_bwd(b, dy, df, xi, wi, bi, hi, cu_seqlens, activation, output_final_state, dxi,
+                       l2norm_out[i] if fused and i < 2 else None)
+             for i, (w, dy, df, dxi, (xi, wi, bi, hi)) in enumerate(zip(
+                 sizes, dys, dfs, dxs, _split_inputs(sizes, x, weight, bias, initial_state))) if w]
     dx = dx_into if dx_into is not None else torch.cat([g[0] for g in parts], -1)
     db = x.new_empty(_EMPTY) if bias is None else torch.cat([g[2] for g in parts])
     dh0 = x.new_empty(_EMPTY) if initial_state is None else torch.cat([g[3] for g in parts], 1)
@@ -521,34 +573,40 @@ def _mixed_split(mixed: Tensor, split_sizes, A_log: Tensor) -> tuple[Tensor, Ten
 
 def _conv_gate(mixed: Tensor, weight: Tensor, A_log: Tensor, dt_bias: Tensor, initial_state: Optional[Tensor],
                cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str, output_final_state: bool,
-               backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+               l2norm_dim: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     x, a, b = _mixed_split(mixed, split_sizes, A_log)
-    *ys, final = _causal_conv1d_split(x, weight, None, initial_state, cu_seqlens, split_sizes, activation,
-                                      output_final_state, backend)
+    ys, final, rstds = _split_conv_fwd(backend_by_name(backend), x, weight, None, initial_state, cu_seqlens,
+                                       split_sizes, activation, output_final_state, l2norm_dim)
     g, beta = _gdn_gate(a, b, A_log, dt_bias, backend)
-    return (*ys, g, beta, final)
+    return _distinct([*ys, g, beta, final, *rstds], mixed, initial_state)
 
 
 def _conv_gate_fake(mixed, weight, A_log, dt_bias, initial_state, cu_seqlens, split_sizes, activation,
-                    output_final_state, backend):
+                    output_final_state, l2norm_dim, backend):
     x, a, b = _mixed_split(mixed, split_sizes, A_log)
     *ys, final = _causal_conv1d_split_fake(x, weight, None, initial_state, cu_seqlens, split_sizes, activation,
                                            output_final_state, backend)
-    return (*ys, *_gdn_gate_fake(a, b, A_log, dt_bias, backend), final)
+    dt = math_dtype(x, weight, None, initial_state)
+    rstds = [x.new_empty(*x.shape[:2], w // l2norm_dim, dtype=dt) if l2norm_dim else x.new_empty(_EMPTY, dtype=dt)
+             for w in split_sizes[:2]]
+    return (*ys, *_gdn_gate_fake(a, b, A_log, dt_bias, backend), final, *rstds)
 
 
 def _conv_gate_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dg: Tensor, dbeta: Tensor, dfinal: Optional[Tensor],
                    mixed: Tensor, weight: Tensor, A_log: Tensor, dt_bias: Tensor, initial_state: Optional[Tensor],
-                   cu_seqlens: Optional[Tensor], split_sizes: list[int], activation: str, output_final_state: bool,
+                   cu_seqlens: Optional[Tensor], y0: Optional[Tensor], y1: Optional[Tensor], rstd0: Optional[Tensor],
+                   rstd1: Optional[Tensor], split_sizes: list[int], activation: str, output_final_state: bool,
                    backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dmixed, dweight, dA_log, ddt_bias, dinitial)``: the conv's and the gate's backwards each fill their
-    columns of one ``dmixed`` buffer (``_into``: in place on a backend with ``grads_into``, else copied in)."""
+    columns of one ``dmixed`` buffer (``_into``: in place on a backend with ``grads_into``, else copied in).
+    ``y0, y1, rstd0, rstd1``: the forward's normalised q and k and their factors (``l2norm_dim``), or None."""
     impl = backend_by_name(backend)
     x, a, b = _mixed_split(mixed, split_sizes, A_log)
     dmixed = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)
     dx, da, db = _mixed_split(dmixed, split_sizes, A_log)
+    l2norm_out = None if y0 is None else [(y0, rstd0), (y1, rstd1)]
     _, dw, _, dh0 = _split_conv_bwd(impl, (dy0, dy1, dy2), dfinal, x, weight, None, initial_state, cu_seqlens,
-                                    activation, output_final_state, dx)
+                                    activation, output_final_state, dx, l2norm_out)
     _, _, dA, ddt = _gate_bwd(impl, dg, dbeta, a, b, A_log, dt_bias, da, db)
     return _distinct([dmixed, dw, dA, ddt, dh0], dy0, dy1, dy2, dg, dbeta, dfinal, mixed, weight, A_log, dt_bias,
                      initial_state)
@@ -582,22 +640,28 @@ _conv_gate_bwd_op = _define("conv_gate_bwd", _conv_gate_bwd,
 class _ConvGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mixed, weight, A_log, dt_bias, initial_state, cu_seqlens, split_sizes, activation,
-                output_final_state, backend):
-        ctx.save_for_backward(mixed, weight, A_log, dt_bias, initial_state, cu_seqlens)
+                output_final_state, l2norm_dim, backend):
+        outs = _conv_gate_fwd_op(mixed, weight, A_log, dt_bias, initial_state, cu_seqlens, split_sizes, activation,
+                                 output_final_state, l2norm_dim, backend)
+        # with l2norm_dim the backward goes through the norm from the normalised q, k and their factors (the
+        # chunk op saves the same q and k: no memory of their own)
+        normed = (outs[0], outs[1], outs[6], outs[7]) if l2norm_dim else (None,) * 4
+        ctx.save_for_backward(mixed, weight, A_log, dt_bias, initial_state, cu_seqlens, *normed)
+        ctx.mark_non_differentiable(outs[6], outs[7])
         ctx.args = (split_sizes, activation, output_final_state, backend)
-        return _conv_gate_fwd_op(mixed, weight, A_log, dt_bias, initial_state, cu_seqlens, split_sizes, activation,
-                                 output_final_state, backend)
+        return outs
 
     @staticmethod
-    def backward(ctx, dy0, dy1, dy2, dg, dbeta, dfinal):
+    def backward(ctx, dy0, dy1, dy2, dg, dbeta, dfinal, _drstd0, _drstd1):
         saved = ctx.saved_tensors
-        mixed, weight, A_log, dt_bias, initial_state, cu_seqlens = saved
+        mixed, weight, A_log, dt_bias, initial_state = saved[:5]
         split_sizes, activation, output_final_state, backend = ctx.args
         # (an output that feeds nothing comes as zeros: the Function materialises None gradients)
         grads = _conv_gate_bwd_op(dy0, dy1, dy2, dg, dbeta, dfinal if output_final_state else None, *saved,
                                   split_sizes, activation, output_final_state, backend)
         dmixed, dw, dA, ddt, dh0 = _first_order("conv_gate", grads, (dy0, dy1, dy2, dg, dbeta, dfinal, *saved[:5]))
-        return (dmixed, dw, dA, ddt, dh0 if initial_state is not None else None, None, None, None, None, None)
+        return (dmixed, dw, dA, ddt, dh0 if initial_state is not None else None, None, None, None, None, None,
+                None)
 
 
 conv_gate_op = _entry(_ConvGate, _conv_gate_fwd_op)

@@ -57,6 +57,12 @@ class Backend:
     # gradient buffer to write into (``ops.conv_gate``'s backward then concatenates nothing). False: the
     # gradients come back as new tensors and are copied into the buffer
     grads_into: bool = False
+    # its ``causal_conv1d`` takes ``l2norm_dim=`` D and then returns ``(y, final, rstd [B, T, C // D])``, y
+    # L2-normalised per head of D channels, and its ``causal_conv1d_bwd`` takes ``l2norm_out=(y, rstd)`` (the
+    # gradient through the norm from them; ``kernels/triton/conv.py``): the layer's q and k, with the delta rule's
+    # own norm off. False: ``ops.conv_gate`` normalises in torch around the conv, and the layer leaves the norm
+    # to the delta-rule kernel (``conv_fuses_l2norm``)
+    conv_l2norm: bool = False
     # run dense ``[B, T]`` delta-rule calls as a pack of B sequences of T tokens (exact): compiled
     # backends then build one (varlen) kernel variant per flag set instead of two
     dense_as_packed: bool = False
@@ -128,6 +134,22 @@ def backend_name(name: str, device: torch.device | str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a string, got {type(name).__name__}")
     return _resolved_name(name, str(device))
+
+
+@torch.compiler.assume_constant_result
+def _conv_fuses_l2norm(name: str, device: str) -> bool:
+    b = resolve_backend(name, device)
+    return b.conv_l2norm and not b.conv_splits
+
+
+def conv_fuses_l2norm(name: str, device: torch.device | str) -> bool:
+    """Whether ``causal_conv1d_gate(..., l2norm_head_dim=)`` on backend ``name`` (``"auto"`` resolved for
+    ``device``) normalises q and k inside its conv kernels (``Backend.conv_l2norm``, one conv per part) rather
+    than in torch around them: the layer moves the delta rule's q / k norm into the conv only then. Constant
+    under ``torch.compile``, as ``backend_name``."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, got {type(name).__name__}")
+    return _conv_fuses_l2norm(name, str(device))
 
 
 def available_backends(device: torch.device | str | None = None) -> list[str]:

@@ -41,11 +41,13 @@ def norm_bwd(dy, x, z, weight, eps=1e-6):
 
 
 def conv_fwd(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False,
-             split_sizes=None):
+             split_sizes=None, l2norm_dim=0):
     from .triton.conv import causal_conv1d_fwd
-    return causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state, split_sizes)
+    return causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state, split_sizes,
+                             l2norm_dim)
 
 
-def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None, dx=None):
+def conv_bwd(dy, dfinal, x, weight, bias=None, activation="silu", cu=None, initial_state=None, dx=None,
+             l2norm_out=None):
     from .triton.conv import causal_conv1d_bwd
-    return causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation, dx)
+    return causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation, dx, l2norm_out)

@@ -91,6 +91,7 @@ for spec in "$@"; do
     # the dz pass's pipelining depth and program count (backward only)
     conv_stages)   step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" --stages ;;
     # the forward's and the dx pass's only
+    conv_l2)       step "$name" "$t" python3 "$R/scripts/bench_conv_l2norm.py" ;;
     conv_stages_fd) step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" --stages-fwd-dx ;;
     # why torch.compile(mode="reduce-overhead") fails in the backward: graph breaks, three variants, cudagraph-tree events
     probe_ro)      TORCH_LOGS="graph_breaks,recompiles,+cudagraphs" step "$name" "$t" python3 "$R/scripts/probe_reduce_overhead.py" ;;

@@ -71,11 +71,14 @@ def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=Tru
     triton_ops.conv_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, h0)
     # the layer in training (ops.conv_gate): a conv per part, neither initial nor final state (the plain tiles
     # of both passes), each dx pass writing its columns of the pre-conv buffer's gradient, the gate's backward
-    # its last 2 Hv columns
+    # its last 2 Hv columns; q and k L2-normalised per head in the conv (the layer's delta rule then normalises
+    # nothing, gdn_layer/layer.py _qk_l2norm_in_conv)
     dmixed = torch.empty_like(mixed)
-    for xi, wi, dxi in zip(mixed[..., :C].split(sizes, -1), weight.split(sizes), dmixed[..., :C].split(sizes, -1)):
-        yi, _ = triton_ops.conv_fwd(xi, wi, None, "silu", cu, None, False)
-        triton_ops.conv_bwd(yi, None, xi, wi, None, "silu", cu, None, dx=dxi)
+    for i, (xi, wi, dxi) in enumerate(zip(mixed[..., :C].split(sizes, -1), weight.split(sizes),
+                                          dmixed[..., :C].split(sizes, -1))):
+        yi, _, *rstd = triton_ops.conv_fwd(xi, wi, None, "silu", cu, None, False, l2norm_dim=D if i < 2 else 0)
+        triton_ops.conv_bwd(yi, None, xi, wi, None, "silu", cu, None, dx=dxi,
+                            l2norm_out=(yi, *rstd) if rstd else None)
     a, b = mixed[..., C:C + Hv], mixed[..., C + Hv:]
     A_log, dt_bias = torch.randn(Hv), torch.randn(Hv)
     gate, beta = triton_ops.gate_fwd(a, b, A_log, dt_bias)

@@ -41,7 +41,7 @@ def triton_cpu_backend():
         causal_conv1d=triton_ops.conv_fwd, causal_conv1d_bwd=triton_ops.conv_bwd,
         gdn_gate=triton_ops.gate_fwd, gdn_gate_bwd=triton_ops.gate_bwd,
         gated_rms_norm=triton_ops.norm_fwd, gated_rms_norm_bwd=triton_ops.norm_bwd, conv_splits=True,
-        grads_into=True)
+        grads_into=True, conv_l2norm=True)
     registry.register_backend(b)
     yield b.name
     registry._BACKENDS.pop(b.name)

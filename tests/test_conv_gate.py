@@ -168,6 +168,56 @@ def test_a_wrong_gradient_buffer_raises_before_any_kernel():
         triton_ops.gate_bwd(a, b, a, b, inp["A_log"], inp["dt_bias"], db=torch.empty(1, 37, H + 1, device=DEV))
 
 
+def with_l2norm(outs, D):
+    """The oracle of ``l2norm_head_dim=D``: q and k (the first two parts) through ``reference.l2norm`` per head."""
+    from gdn_layer.kernels import reference
+    heads = lambda y: reference.l2norm(y.unflatten(-1, (-1, D))).flatten(-2)   # noqa: E731
+    return [heads(outs[0]), heads(outs[1]), *outs[2:]]
+
+
+@pytest.mark.parametrize("layout", ["packed", "packed_no_state", "dense"])
+def test_l2norm_head_dim_normalises_q_and_k_per_head(backend, layout):
+    """``l2norm_head_dim``: q and k L2-normalised over each head after the conv, in the conv kernels (Triton,
+    one conv per part: the CUDA backends as shipped) or in torch around the conv (torch, split conv), with
+    gradients through the norm; with initial states the kernels hand the norm to ``triton/l2norm.py``. fp32
+    against the float64 oracle: the separate ops and ``reference.l2norm``."""
+    inp = inputs(**{"packed": {}, "packed_no_state": dict(init=False), "dense": dict(B=2, T=19, cu=None)}[layout])
+    leaves = {k: v.clone().float().requires_grad_(True) for k, v in inp.items() if k != "cu" and v is not None}
+    ys, g, beta, final = causal_conv1d_gate(leaves["mixed"], leaves["weight"], leaves["A_log"], leaves["dt_bias"],
+                                            SIZES, cu_seqlens=inp["cu"], initial_state=leaves.get("initial_state"),
+                                            output_final_state=True, backend=backend, l2norm_head_dim=4)
+    outs_f = [*ys, g, beta, final]
+    leaves_r, outs_r = separate(inp)
+    outs_r = with_l2norm(outs_r, 4)
+    assert outs_r[0].unflatten(-1, (2, 4)).norm(dim=-1).sub(1).abs().max() < 1e-3   # (unit heads: the norm ran)
+    for o_f, o_r in zip(outs_f, outs_r):
+        torch.testing.assert_close(o_f.double(), o_r, rtol=1e-5, atol=1e-5)
+    grads_f, grads_r = grads(leaves, outs_f), grads(leaves_r, outs_r)
+    for name in grads_f:
+        torch.testing.assert_close(grads_f[name].double(), grads_r[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_l2norm_head_dim_is_checked():
+    inp = inputs(dtype=torch.float32)
+    m, w, A, dt = inp["mixed"], inp["weight"], inp["A_log"], inp["dt_bias"]
+    for bad, error in ((0, ValueError), (-8, ValueError), (True, TypeError), (4.0, TypeError),
+                       (3, ValueError), (16, ValueError)):   # 16 divides v's 16 but not q's / k's 8
+        with pytest.raises(error, match="l2norm_head_dim"):
+            causal_conv1d_gate(m, w, A, dt, SIZES, cu_seqlens=inp["cu"], l2norm_head_dim=bad)
+
+
+def test_conv_fuses_l2norm_only_with_the_flag_and_one_conv_per_part(triton_cpu_backend, monkeypatch):
+    """The layer moves the delta rule's q / k norm into the conv only where the conv kernels take it."""
+    assert not registry.conv_fuses_l2norm("torch", "cpu")
+    assert not registry.conv_fuses_l2norm(triton_cpu_backend, "cpu")      # (the fixture's split conv)
+    b = registry.backend_by_name(triton_cpu_backend)
+    monkeypatch.setitem(registry._BACKENDS, triton_cpu_backend, dataclasses.replace(b, conv_splits=False))
+    assert registry.conv_fuses_l2norm(triton_cpu_backend, "cpu")
+    monkeypatch.setitem(registry._BACKENDS, triton_cpu_backend,
+                        dataclasses.replace(b, conv_splits=False, conv_l2norm=False))
+    assert not registry.conv_fuses_l2norm(triton_cpu_backend, "cpu")
+
+
 def test_conv_gate_names_the_argument_it_rejects():
     inp = inputs(dtype=torch.float32)
     m, w, A, dt = inp["mixed"], inp["weight"], inp["A_log"], inp["dt_bias"]

@@ -71,6 +71,91 @@ def assert_matches_reference(inp, activation, tol=1e-5, final=True):
     return got
 
 
+def l2norm_heads(conv_fn, D):
+    """``conv_fn`` with l2norm_dim=D: the kernels' own argument, or (the oracle) ``reference.l2norm`` per head
+    of D channels after the reference conv."""
+    def fn(x, weight, bias, activation, cu, init, final):
+        if conv_fn is conv.causal_conv1d:
+            return conv_fn(x, weight, bias, activation, cu, init, final, l2norm_dim=D)
+        y, fin = conv_fn(x, weight, bias, activation, cu, init, final)
+        return reference.l2norm(y.unflatten(-1, (-1, D))).flatten(-2), fin
+    return fn
+
+
+@pytest.mark.parametrize("C,D", [(256, 128), (96, 32), (24, 8), (64, 64)])
+@pytest.mark.parametrize("B,cu", [(1, [0, 0, 1, 3, 40, 41, 70]), (2, None)])
+@pytest.mark.parametrize("act", ["silu", None])
+def test_l2norm_heads_in_the_conv_kernels_match_the_float64_reference(monkeypatch, C, D, B, cu, act):
+    """``l2norm_dim``, the layer's q / k (no bias, no initial state, power-of-two heads up to 128): the forward
+    kernel normalises each head of its tile and writes the factor rstd; the backward goes through the norm
+    from y and rstd (one ``l2norm_bwd_from_output`` launch, no conv recompute), then the plain dz pass. Values,
+    rstd and gradients against the float64 oracle; several tiles per program (the forward knob at 2)."""
+    from gdn_layer.kernels.triton import l2norm
+    monkeypatch.setattr(conv, "FWD_PROGRAMS", 2)
+    spies = {k: LaunchSpy(getattr(conv, k)) for k in ("_conv_fwd_kernel", "_conv_dz_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(conv, name, spy)
+    norm_spy = LaunchSpy(l2norm._l2norm_bwd_from_output_kernel)
+    monkeypatch.setattr(l2norm, "_l2norm_bwd_from_output_kernel", norm_spy)
+    inp = make_inputs(B, 70, C, 4, cu=cu, init=False, bias=False, seed=C + D)
+    got = run(l2norm_heads(conv.causal_conv1d, D), inp, act, final=False, device=DEV)
+    want = run(l2norm_heads(reference.causal_conv1d, D), inp, act, to=torch.float64, final=False)
+    for name, a, b in zip(["y", "final", "dx", "dweight"], got[:4], want[:4]):
+        if b is not None:
+            assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+    assert [kw["L2_D"] for kw in spies["_conv_fwd_kernel"].kwargs] == [D]
+    assert len(spies["_conv_dz_kernel"].kwargs) == 1 and len(norm_spy.kwargs) == 1
+    # the factor the forward hands the backward
+    x = inp["buf"][..., inp["off"]:inp["off"] + C]
+    cu_t = None if cu is None else inp["cu"]
+    y, _, rstd = conv.causal_conv1d_fwd(x.to(DEV), inp["weight"].to(DEV), None, None if cu_t is None else cu_t.to(DEV),
+                                        None, act, False, l2norm_dim=D)
+    s = reference.causal_conv1d(x.double(), inp["weight"].double(), None, act, cu_t)[0]
+    want_rstd = torch.rsqrt(s.unflatten(-1, (-1, D)).square().sum(-1) + 1e-6)
+    assert rstd.shape == (B, 70, C // D) and rstd.dtype == torch.float32
+    assert rel_err(rstd, want_rstd) <= 1e-5
+
+
+def test_l2norm_bwd_from_output_matches_autograd_of_the_norm():
+    """``l2norm_bwd_from_output`` (y and rstd, no x) equals autograd through ``reference.l2norm`` in float64;
+    the float64 path equals it too."""
+    from gdn_layer.kernels.triton import l2norm
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 9, 3, 32, generator=g) * torch.rand(2, 9, 3, 1, generator=g)).double().requires_grad_()
+    dy = torch.randn(2, 9, 3, 32, generator=g).double()
+    want, = torch.autograd.grad(reference.l2norm(x), x, dy)
+    rstd = torch.rsqrt(x.detach().square().sum(-1) + 1e-6)
+    y = x.detach() * rstd[..., None]
+    got = l2norm.l2norm_bwd_from_output(y.float().to(DEV), rstd.float().to(DEV), dy.float().to(DEV))
+    assert rel_err(got, want) <= 1e-5
+    assert rel_err(l2norm.l2norm_bwd_from_output(y, rstd, dy), want) <= 1e-12
+
+
+@pytest.mark.parametrize("C,D,init,bias", [(36, 12, False, False), (512, 256, False, False), (32, 8, True, False),
+                                           (32, 8, False, True)])
+def test_l2norm_heads_the_kernels_do_not_fuse_are_normalised_around_the_conv(monkeypatch, C, D, init, bias):
+    """Heads that are no power of two or wider than a 128-channel tile, and a conv with initial states or bias:
+    the conv kernel runs unnormalised (``L2_D`` 0) and the launcher normalises in torch; the same results."""
+    spy = LaunchSpy(conv._conv_fwd_kernel)
+    monkeypatch.setattr(conv, "_conv_fwd_kernel", spy)
+    inp = make_inputs(1, 40, C, 4, cu=[0, 2, 17, 40], init=init, bias=bias, seed=C)
+    got = run(l2norm_heads(conv.causal_conv1d, D), inp, "silu", device=DEV)
+    want = run(l2norm_heads(reference.causal_conv1d, D), inp, "silu", to=torch.float64)
+    for name, a, b in zip(["y", "final", "dx", "dweight", "dbias", "dinitial"], got, want):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
+    assert {kw["L2_D"] for kw in spy.kwargs} == {0}
+
+
+def test_l2norm_dim_must_divide_the_channels():
+    x, w = torch.randn(1, 8, 24), torch.randn(24, 4)
+    with pytest.raises(ValueError, match="l2norm_dim must be a positive divisor of the channel count 24"):
+        conv.causal_conv1d_fwd(x, w, None, None, None, "silu", False, l2norm_dim=16)
+    with pytest.raises(ValueError, match="split_sizes"):
+        conv.causal_conv1d_fwd(x, w, None, None, None, "silu", False, split_sizes=[8, 16], l2norm_dim=8)
+
+
 @pytest.mark.parametrize("W", [2, 4])
 @pytest.mark.parametrize("T", [1, 2, 3, 63, 64, 65])
 @pytest.mark.parametrize("init,bias,act", [(True, True, "silu"), (False, False, None)])

@@ -17,6 +17,9 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
 - ``_conv_fwd_kernel``, over the ``cdiv(T, BLOCK_T) * B`` token tiles x channel blocks: y for a tile
   of tokens x channels, tap i read as the x tile i tokens earlier (W overlapping loads, served by the
   caches).
+  With ``l2norm_dim`` (the gated delta rule's q and k) each head of that many channels is L2-normalised in
+  the same pass and its factor ``rstd`` written out: the backward takes the norm's gradient from y and rstd
+  (``triton/l2norm.py``, one launch) before the dz pass, with no recompute.
 - ``_conv_state_fwd_kernel``, over the N sequences x channel blocks: gathers ``final_state[n]``.
 - ``_conv_dz_kernel``, over its own tiles (``DZ_BLOCK_T`` or ``DZ_BLOCK_T_PLAIN`` x ``_dz_block_c(C)``): the
   pre-activation's gradient dz (z recomputed from x; the forward saves nothing but its inputs) into a ``[B, T, C]``
@@ -47,6 +50,8 @@ from .. import cu_cache
 from . import _grid
 from ._grid import programs
 from ._layout import narrow_offsets, out_buffer, row_strides, rows_align
+from .l2norm import EPS as L2NORM_EPS
+from .l2norm import l2norm_bwd_from_output
 
 # Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
@@ -85,9 +90,11 @@ DZ_NUM_WARPS = 4
 # only, ``_stages``) and DZ_PROGRAMS_PLAIN.
 DZ_NUM_STAGES = 1
 DZ_NUM_STAGES_PLAIN = 3
-# the same two knobs of the forward and of the dx pass (all their variants), to sweep (bench_triton_conv.py
-# --stages): these defaults give each program one tile where the grid allows and the plain loop, as before
-FWD_PROGRAMS = DX_PROGRAMS = 65535
+# the same two knobs of the forward and of the dx pass (all their variants). Session 19, H200,
+# scripts/bench_triton_conv.py --stages-fwd-dx (32k tokens, the layer's three convs of Qwen3-Next): the forward
+# 0.458 ms with one tile per program (65 535 programs) against 0.395 ms with 4 096 programs on the plain loop,
+# the dx pass 1.125 against 1.083 (software pipelining, 2-4 stages, helped neither). So 4 096 and 1 stage.
+FWD_PROGRAMS = DX_PROGRAMS = 4096
 FWD_NUM_STAGES = DX_NUM_STAGES = 1
 
 
@@ -262,6 +269,29 @@ def _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c, valid, nea
     return g
 
 
+@triton.jit
+def _head_rstd(v, eps, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr):
+    """``1 / sqrt(sum v^2 + eps)`` over each head of D consecutive channels of ``v [BLOCK_T, BLOCK_C]`` (a channel
+    block holds whole heads: ``BLOCK_C`` a multiple of D), ``[BLOCK_T, BLOCK_C // D]``: a row sum where the
+    block is one head (no reshape)."""
+    if BLOCK_C == D:
+        sums = tl.sum(v * v, 1)[:, None]
+    else:
+        sums = tl.sum(tl.reshape(v * v, (BLOCK_T, BLOCK_C // D, D)), 2)
+    return 1.0 / tl.sqrt(sums + eps)
+
+
+@triton.jit
+def _per_channel(h, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr):
+    """``h [BLOCK_T, BLOCK_C // D]`` (one value per head) on every channel of its head: ``[BLOCK_T, BLOCK_C]``
+    (or ``[BLOCK_T, 1]``, broadcasting, where the block is one head)."""
+    if BLOCK_C == D:
+        out = h
+    else:
+        out = tl.reshape(tl.broadcast_to(h[:, :, None], (BLOCK_T, BLOCK_C // D, D)), (BLOCK_T, BLOCK_C))
+    return out
+
+
 @triton.jit(do_not_specialize=["tile", "T"])
 def _tile(tile, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Token tile ``tile`` of the ``cdiv(T, BLOCK_T) * B`` tiles (folding batch row b and token block)
@@ -285,13 +315,16 @@ def _tile(tile, T, C, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, IS_VARLEN: t
 @triton.jit(do_not_specialize=["T", "NT", "stride_xb", "sy0b", "sy1b", "sy2b"])
 def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0t, sy0c, sy1b, sy1t, sy1c,
                      sy2b, sy2t, sy2c, T, NT, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
-                     stride_in, stride_ic, stride_ik,
+                     stride_in, stride_ic, stride_ik, rstd, eps,
                      W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                      SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                     PARTS: tl.constexpr, X_ALIGN: tl.constexpr, Y_ALIGN: tl.constexpr, STAGES: tl.constexpr):
+                     PARTS: tl.constexpr, X_ALIGN: tl.constexpr, Y_ALIGN: tl.constexpr, STAGES: tl.constexpr,
+                     L2_D: tl.constexpr):
     """y for token tiles p, p + P, ... (of the NT = ``cdiv(T, BLOCK_T) * B``; P programs on axis 0) and
     channel block ``program_id(1)``; a tile is tokens [tb*BLOCK_T, +BLOCK_T) of batch row b. y is
-    written as the parts ``y, y1, y2`` split at columns ``e0, e1`` (``_store_parts``)."""
+    written as the parts ``y, y1, y2`` split at columns ``e0, e1`` (``_store_parts``). ``L2_D`` > 0: each
+    head of that many channels L2-normalised after the activation (``y / sqrt(sum_head y^2 + eps)``), the
+    factor written to ``rstd [B * T, C // L2_D]`` fp32 for the backward."""
     cw = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     w0, w1, w2, w3 = _w4(w, cw[None, :], (cw < C)[None, :], stride_wc, stride_ww, W, ACC)
     for tile in tl.range(tl.program_id(0), NT, tl.num_programs(0), num_stages=STAGES):   # (FWD_NUM_STAGES)
@@ -314,6 +347,12 @@ def _conv_fwd_kernel(x, w, bias, init, seq_idx, cu, y, y1, y2, e0, e1, sy0b, sy0
                     W, HAS_BIAS, HAS_INIT, ACC, X_ALIGN)
         if SILU:
             z = z / (1.0 + tl.exp(-z))
+        if L2_D > 0:
+            r_head = _head_rstd(z, eps, BLOCK_T, BLOCK_C, L2_D)
+            z = z * _per_channel(r_head, BLOCK_T, BLOCK_C, L2_D)
+            head = tl.program_id(1) * (BLOCK_C // L2_D) + tl.arange(0, BLOCK_C // L2_D)
+            tl.store(rstd + (b * T + t)[:, None] * (C // L2_D) + head[None, :], r_head,
+                     mask=tmask[:, None] & (head < C // L2_D)[None, :])
         _store_parts(y, y1, y2, b, t[:, None], c[None, :], z, valid, e0, e1, sy0b, sy0t, sy0c, sy1b, sy1t, sy1c,
                      sy2b, sy2t, sy2c, PARTS, Y_ALIGN)
 
@@ -567,17 +606,52 @@ def _as_parts(whole_or_parts, C):
     return (*parts, e0, e1, *(st for p in parts for st in p.stride())), 3
 
 
-def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state, split_sizes=None):
+def _l2norm_fused(l2norm_dim, C, bias, initial_state, split_sizes) -> bool:
+    """Whether the forward kernel normalises the output heads itself (``L2_D``): the layer's conv (no bias, no
+    initial state, one part) with a power-of-two head dim of at most ``_plain_block_c``'s 128 channels, so
+    that every channel block holds whole heads. Else the launcher normalises in torch after the conv.
+
+    Raises:
+        ValueError: ``l2norm_dim`` does not divide C, or comes with ``split_sizes``.
+    """
+    if not l2norm_dim:
+        return False
+    if l2norm_dim < 0 or C % l2norm_dim:
+        raise ValueError(f"l2norm_dim must be a positive divisor of the channel count {C}, got {l2norm_dim}")
+    if split_sizes is not None:
+        raise ValueError("l2norm_dim normalises a whole conv's output; it does not go with split_sizes")
+    return (bias is None and initial_state is None and l2norm_dim <= 128
+            and l2norm_dim & (l2norm_dim - 1) == 0)
+
+
+def _heads(t, D):
+    """``[B, T, C]`` as ``[B, T, C // D, D]`` (a view)."""
+    return t.unflatten(-1, (-1, D))
+
+
+def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state, split_sizes=None,
+                      l2norm_dim=0):
     """Forward launcher (inputs already validated).
 
     Args: x ``[B, T, C]`` (any strides; read in place), weight ``[C, W]``, bias ``[C]`` or None,
     cu int64 ``[N + 1]`` on x's device (B == 1) or None, initial_state ``[N, C, W - 1]`` or None,
     activation ``"silu"``/``"swish"`` or None/``"identity"``; split_sizes: None, or 1-3 channel counts
-    summing to C (q, k, v of the layer), to get y as that many contiguous tensors in one launch.
+    summing to C (q, k, v of the layer), to get y as that many contiguous tensors in one launch;
+    l2norm_dim: 0, or a divisor D of C: y is L2-normalised over each head of D channels after the activation,
+    ``y * rstd`` with ``rstd = 1 / sqrt(sum_head y^2 + 1e-6)`` (the gated delta rule's q / k norm, fla's
+    ``l2norm``), in the kernel where ``_l2norm_fused`` allows (the layer's conv), else in torch after it.
     Returns ``(y, final_state [N, C, W - 1] fp32 (float64 when any input is float64) or None)``, y
-    ``[B, T, C]`` contiguous in x's dtype, or with ``split_sizes`` a list of ``[B, T, size]``.
+    ``[B, T, C]`` contiguous in x's dtype, or with ``split_sizes`` a list of ``[B, T, size]``; with
+    ``l2norm_dim`` ``(y, final_state, rstd [B, T, C // D])`` (fp32, or float64), which ``causal_conv1d_bwd``
+    takes back with y as ``l2norm_out``.
     """
     B, T, C = x.shape
+    if l2norm_dim and not _l2norm_fused(l2norm_dim, C, bias, initial_state, split_sizes):
+        y, final = causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state)
+        h = _heads(y, l2norm_dim).to(_compute_dtype(x, weight, bias, initial_state))
+        rstd = torch.rsqrt(h.square().sum(-1) + L2NORM_EPS)
+        return (h * rstd[..., None]).flatten(-2).to(x.dtype), final, rstd
+    l2_d = l2norm_dim
     x = narrow_offsets(x)
     weight, bias, initial_state = _narrow_params(weight, bias, initial_state)
     W = weight.shape[1]
@@ -590,21 +664,23 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     else:
         y = [torch.empty(B, T, w, dtype=x.dtype, device=x.device) for w in split_sizes]
     dummy = x
+    rstd = torch.empty(B, T, C // l2_d, dtype=dt, device=x.device) if l2_d else None
     sin = _strides3(initial_state)
     block_c = _block_c(C)
     n_cb = triton.cdiv(C, block_c)
     if B * T > 0 and C > 0:
         tile_t, tile_c = _tile_shape(C, bias is None and initial_state is None)
+        assert tile_c % max(l2_d, 1) == 0   # (_l2norm_fused: whole heads per channel block)
         n_tiles, n_tcb = triton.cdiv(T, tile_t) * B, triton.cdiv(C, tile_c)
         y_parts, parts = _as_parts(y, C)
         _conv_fwd_kernel[(programs(n_tiles, n_tcb, FWD_PROGRAMS), n_tcb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             dummy if cu is None else _seq_index(cu, T), dummy if cu is None else cu, *y_parts,
             T, n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
-            0 if bias is None else bias.stride(0), *sin,
+            0 if bias is None else bias.stride(0), *sin, dummy if rstd is None else rstd, L2NORM_EPS,
             W=W, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None,
             SILU=silu, ACC=acc, BLOCK_T=tile_t, BLOCK_C=tile_c, PARTS=parts, X_ALIGN=rows_align([x], 2),
-            Y_ALIGN=rows_align(y_parts[:3], 2), STAGES=FWD_NUM_STAGES, num_warps=NUM_WARPS)
+            Y_ALIGN=rows_align(y_parts[:3], 2), STAGES=FWD_NUM_STAGES, L2_D=l2_d, num_warps=NUM_WARPS)
     final = None
     if output_final_state:
         final = torch.empty(N, C, W - 1, dtype=dt, device=x.device)
@@ -614,10 +690,10 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
                 T, N, C, x.stride(0), x.stride(1), x.stride(2), *sin,
                 W=W, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None, ACC=acc,
                 BLOCK_K=triton.next_power_of_2(W - 1), BLOCK_C=block_c)
-    return y, final
+    return (y, final) if not l2_d else (y, final, rstd)
 
 
-def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation, dx=None):
+def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation, dx=None, l2norm_out=None):
     """Backward launcher: ``(dx, dweight, dbias, dinitial)``, each in its input's dtype.
 
     dy ``[B, T, C]``, or the list of ``[B, T, size]`` gradients of a ``split_sizes`` forward's outputs,
@@ -628,8 +704,16 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     dx: None (a new contiguous ``[B, T, C]`` comes back), or a ``[B, T, C]`` tensor of x's dtype with unit
     channel stride to write dx into (a column slice of the layer's ``[q | k | v | a | b]`` gradient: no
     concatenation afterwards); it comes back as the first result.
+
+    l2norm_out: None, or ``(y, rstd)`` of a forward with ``l2norm_dim`` (dy a tensor, the gradient of that
+    normalised y): first through the norm from the saved pair, without recomputing the conv
+    (``triton/l2norm.py``'s ``l2norm_bwd_from_output``, one launch), then the conv's backward.
     """
     B, T, C = x.shape
+    if l2norm_out is not None:
+        y, rstd = l2norm_out
+        D = C // rstd.shape[-1]
+        dy = l2norm_bwd_from_output(_heads(y, D), rstd, _heads(dy, D)).flatten(-2)
     x = narrow_offsets(x)
     dy = narrow_offsets(dy) if isinstance(dy, torch.Tensor) else [narrow_offsets(d) for d in dy]
     weight, bias, initial_state = _narrow_params(weight, bias, initial_state)
@@ -645,10 +729,11 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     n_cb, dz_n_cb, dx_n_cb = triton.cdiv(C, block_c), triton.cdiv(C, dz_block_c), triton.cdiv(C, dx_block_c)
     plain = bias is None and initial_state is None     # the layer's conv in training: its own dz-pass settings
     dz_block_t = DZ_BLOCK_T_PLAIN if plain else DZ_BLOCK_T
+    dz_stages = _stages(DZ_NUM_STAGES_PLAIN, x, W) if plain else DZ_NUM_STAGES
+    dz_programs = DZ_PROGRAMS_PLAIN if plain else DZ_PROGRAMS
     n_tiles, dz_n_tiles = triton.cdiv(T, dx_block_t) * B, triton.cdiv(T, dz_block_t) * B
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS(_PLAIN) programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
-    dz_programs, dz_stages = (DZ_PROGRAMS_PLAIN, _stages(DZ_NUM_STAGES_PLAIN, x, W)) if plain else (DZ_PROGRAMS, DZ_NUM_STAGES)
     n_prog = programs(dz_n_tiles, dz_n_cb, dz_programs) if C > 0 else 0
     dx = out_buffer(dx, x, "dx")
     # dz in fp32 (float64) for fp32/fp64 inputs; in the 16-bit input dtype otherwise: it only feeds dx,
@@ -697,26 +782,30 @@ class CausalConv1dFunction(torch.autograd.Function):
     """Ties ``causal_conv1d_fwd`` and ``causal_conv1d_bwd``; saves only the inputs (x as the view it came as)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, cu, initial_state, activation, output_final_state):
-        y, final = causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state)
-        ctx.save_for_backward(x, weight, bias, cu, initial_state)
+    def forward(ctx, x, weight, bias, cu, initial_state, activation, output_final_state, l2norm_dim=0):
+        y, final, *rstd = causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state,
+                                            l2norm_dim=l2norm_dim)
+        ctx.save_for_backward(x, weight, bias, cu, initial_state, *((y, *rstd) if l2norm_dim else ()))
         ctx.activation = activation
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, weight, bias, cu, initial_state = ctx.saved_tensors
-        dx, dweight, dbias, dinit = causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, ctx.activation)
-        return dx, dweight, dbias, None, dinit, None, None
+        x, weight, bias, cu, initial_state, *l2norm_out = ctx.saved_tensors
+        dx, dweight, dbias, dinit = causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, ctx.activation,
+                                                      l2norm_out=l2norm_out or None)
+        return dx, dweight, dbias, None, dinit, None, None, None
 
 
-def causal_conv1d(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
+def causal_conv1d(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False,
+                  l2norm_dim=0):
     """Depthwise causal conv1d (+ SiLU) over packed sequences, differentiable; the contract of
     ``kernels.reference.causal_conv1d`` (inputs already validated).
 
     x ``[B, T, C]`` bf16/fp16/fp32/fp64 with unit channel stride (any other strides, read in place),
     weight ``[C, W]``, bias ``[C]`` or None, cu int64 ``[N + 1]`` (B == 1) or None, initial_state
-    ``[N, C, W - 1]`` or None. Returns ``(y [B, T, C] in x's dtype, final_state [N, C, W - 1] or
+    ``[N, C, W - 1]`` or None; l2norm_dim: 0, or y L2-normalised per head of that many channels
+    (``causal_conv1d_fwd``). Returns ``(y [B, T, C] in x's dtype, final_state [N, C, W - 1] or
     None)``; math and final state in fp32 (float64 when any input is float64).
     """
-    return CausalConv1dFunction.apply(x, weight, bias, cu, initial_state, activation, output_final_state)
+    return CausalConv1dFunction.apply(x, weight, bias, cu, initial_state, activation, output_final_state, l2norm_dim)

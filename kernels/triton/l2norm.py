@@ -88,6 +88,22 @@ def _l2norm_bwd_kernel(x, dy, dx, x2, dy2, dx2, M, T, H, stride_b, stride_t, str
             _bwd_rows(x2, dy2, dx2, start, M, T, H, stride_b2, stride_t2, stride_h2, eps, D, BD, BLOCK, ALIGN)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _l2norm_bwd_from_output_kernel(y, rstd, dy, dx, M, D: tl.constexpr, BD: tl.constexpr, BLOCK: tl.constexpr):
+    """dx of ``y = x * rstd`` from the saved output: ``(dy - y sum(dy y)) * rstd`` for row tiles p, p + P, ...
+    of the M rows of D elements (y, dy, dx contiguous ``[M, D]``, rstd ``[M]`` fp32)."""
+    cols = tl.arange(0, BD)
+    for start in range(tl.program_id(0) * BLOCK, M, tl.num_programs(0) * BLOCK):
+        rows = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = (rows < M)[:, None] & (cols < D)[None, :]
+        at = rows[:, None] * D + cols[None, :]
+        by = tl.load(y + at, mask=mask, other=0.0).to(tl.float32)
+        bdy = tl.load(dy + at, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(rstd + rows, mask=rows < M, other=0.0)
+        bdx = (bdy - tl.sum(bdy * by, 1)[:, None] * by) * r[:, None]
+        tl.store(dx + at, bdx.to(dx.dtype.element_ty), mask=mask)
+
+
 def _launch_args(x: torch.Tensor):
     B, T, H, D = x.shape
     return B * T * H, T, H, D, triton.next_power_of_2(D)
@@ -112,6 +128,25 @@ def l2norm_fwd(x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
 def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """Gradient of ``l2norm_fwd`` w.r.t. x (recomputes the norm from x); contiguous, x's dtype."""
     return l2norm_pair_bwd(x, dy, None, None, eps)[0]
+
+
+def l2norm_bwd_from_output(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``y = x * rstd`` (``rstd = 1 / sqrt(sum(x^2, -1) + eps)``) w.r.t. x from the saved output
+    and factor, without x: ``(dy - y sum(dy y, -1)) rstd``. ``y``, ``dy [..., D]``, ``rstd [...]`` (fp32, or
+    float64: then computed in torch); returns a contiguous ``[..., D]`` in y's dtype. (fla's ``l2norm_bwd``
+    takes the same saved pair.)"""
+    if rstd.dtype == torch.float64 or y.dtype == torch.float64:
+        y64, dy64 = y.to(torch.float64), dy.to(torch.float64)
+        return ((dy64 - (dy64 * y64).sum(-1, keepdim=True) * y64) * rstd.to(torch.float64)[..., None]).to(
+            y.dtype).contiguous()
+    D = y.shape[-1]
+    y, dy, rstd = y.contiguous(), dy.contiguous(), rstd.contiguous()
+    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    M = rstd.numel()
+    if M:
+        _l2norm_bwd_from_output_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
+            y, rstd, dy, dx, M, D=D, BD=triton.next_power_of_2(D), BLOCK=BLOCK_M)
+    return dx
 
 
 def l2norm_pair_fwd(q: torch.Tensor, k: torch.Tensor | None, eps: float = EPS):
