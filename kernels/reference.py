@@ -39,14 +39,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Gradient of ``l2norm`` w.r.t. x from dy (same shapes): ``(dy - y sum(dy y, -1)) rsqrt(sum(x^2, -1) + eps)``
-    with y = l2norm(x), in x's dtype."""
-    rstd = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-    y = x * rstd
-    return (dy - y * (dy * y).sum(-1, keepdim=True)) * rstd
-
-
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, initial_state=None):
     """Cast to the compute dtype, normalise and scale: packed rows ``[B * T, H, ...]``."""
     dt = compute_dtype(q, k, v, g, beta, initial_state)
