@@ -175,7 +175,7 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
             output_final_state, backend: as ``causal_conv1d_split``. No conv bias: for a conv with bias call
             ``causal_conv1d_split`` and ``gdn_gate``.
         l2norm_head_dim: None, or a positive int D dividing ``split_sizes[0]`` and ``split_sizes[1]``: those two
-            parts (q and k) are L2-normalised over each head of D channels after the activation,
+            parts (q and k; with fewer parts, those there are) are L2-normalised over each head of D channels after the activation,
             ``y / sqrt(sum_head y^2 + 1e-6)`` (fla's ``l2norm``; then pass ``use_qk_l2norm=False`` to the delta
             rule). Inside the conv kernels on a backend with ``conv_l2norm`` (the CUDA ones:
             ``registry.conv_fuses_l2norm``), in torch after the conv elsewhere; either way the backward goes
