@@ -175,9 +175,9 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
             output_final_state, backend: as ``causal_conv1d_split``. No conv bias: for a conv with bias call
             ``causal_conv1d_split`` and ``gdn_gate``.
         l2norm_head_dim: None, or a positive int D dividing ``split_sizes[0]`` and ``split_sizes[1]``: those two
-            parts (q and k; with fewer parts, those there are) are L2-normalised over each head of D channels after the activation,
-            ``y / sqrt(sum_head y^2 + 1e-6)`` (fla's ``l2norm``; then pass ``use_qk_l2norm=False`` to the delta
-            rule). Inside the conv kernels on a backend with ``conv_l2norm`` (the CUDA ones:
+            parts (q and k; with fewer parts, those there are) are L2-normalised over each head of D channels
+            after the activation, ``y / sqrt(sum_head y^2 + 1e-6)`` (fla's ``l2norm``; then pass
+            ``use_qk_l2norm=False`` to the delta rule). Inside the conv kernels on a backend with ``conv_l2norm`` (the CUDA ones:
             ``registry.conv_fuses_l2norm``), in torch after the conv elsewhere; either way the backward goes
             through the norm from the normalised q, k and their saved factors ``rstd`` (no recompute).
 
@@ -211,8 +211,8 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
     if l2norm_head_dim is not None:
         if isinstance(l2norm_head_dim, bool) or not isinstance(l2norm_head_dim, int):
             raise TypeError(f"l2norm_head_dim must be None or an int, got {type(l2norm_head_dim).__name__}")
-        if l2norm_head_dim <= 0:
-            raise ValueError(f"l2norm_head_dim must be positive, got {l2norm_head_dim}")
+        if not 0 < l2norm_head_dim < 2 ** 31:
+            raise ValueError(f"l2norm_head_dim must be positive and below 2**31, got {l2norm_head_dim}")
         if any(w % l2norm_head_dim for w in sizes[:2]):
             raise ValueError(f"l2norm_head_dim = {l2norm_head_dim} must divide split_sizes[0] and split_sizes[1] "
                              f"(whole heads of q and k), got split_sizes {list(split_sizes)}")

@@ -55,7 +55,7 @@ from torch import Tensor
 from ..derived import derived_from_sizes
 from . import cu_cache
 from .reference import compute_dtype as math_dtype   # fp64 when any input is fp64, else fp32 (None ignored)
-from .registry import backend_by_name
+from .registry import backend_by_name, fuses_l2norm
 
 _EMPTY = (0,)
 if isinstance(globals().get("_LIB"), torch.library.Library):
@@ -314,7 +314,7 @@ def _conv_bwd(b, dy, dfinal, x, weight, bias, initial_state, cu_seqlens, activat
     """``(dx, dweight, dbias, dinitial)`` in the inputs' dtypes (empty for a None bias / initial state);
     dy is a tensor, or a list of parts for a backend with ``conv_splits``. ``dx_into``: None, or a view
     (x's shape and dtype) that dx is written into and returned as (``_into``). ``l2norm_out``: ``(y, rstd)`` of
-    a conv whose backend normalised its output (``_fuses_l2norm``; dy is that of the normalised y)."""
+    a conv whose backend normalised its output (``registry.fuses_l2norm``; dy is that of the normalised y)."""
     if b.causal_conv1d_bwd is not None:
         fused = {"l2norm_out": tuple(l2norm_out)} if l2norm_out is not None else {}
         dx, dw, db, dh0 = b.causal_conv1d_bwd(dy, dfinal, x, weight, bias, activation=activation, cu=cu_seqlens,
@@ -371,20 +371,15 @@ def _causal_conv1d_split(x: Tensor, weight: Tensor, bias: Optional[Tensor], init
     return _distinct([*ys, final], x, initial_state)
 
 
-def _fuses_l2norm(b) -> bool:
-    """Whether backend ``b``'s conv normalises the q / k parts itself (``registry.conv_fuses_l2norm``)."""
-    return b.conv_l2norm and not b.conv_splits and b.causal_conv1d_bwd is not None
-
-
 def _split_conv_fwd(b, x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state,
                     l2norm_dim=0):
     """``(ys, final, rstds)`` of ``causal_conv1d_split`` on backend ``b`` (ys in x's dtype, final in the math
     dtype, empty without output_final_state). ``l2norm_dim`` > 0: the first two parts (q and k) L2-normalised over
-    each head of that many channels (in the conv on a backend that ``_fuses_l2norm``, else in torch after it),
+    each head of that many channels (in the conv where ``registry.fuses_l2norm``, else in torch after it),
     rstds their factors ``[B, T, size // l2norm_dim]`` (math dtype) for ``_split_conv_bwd``; else rstds empty."""
     sizes = list(split_sizes)
     kwargs = dict(activation=activation, cu=cu_seqlens, output_final_state=output_final_state)
-    fused = bool(l2norm_dim) and _fuses_l2norm(b)
+    fused = bool(l2norm_dim) and fuses_l2norm(b)
     dt = math_dtype(x, weight, bias, initial_state)
     rstds = [x.new_empty(_EMPTY, dtype=dt), x.new_empty(_EMPTY, dtype=dt)]
     if b.conv_splits:
@@ -452,9 +447,10 @@ def _split_conv_bwd(b, dys, dfinal, x, weight, bias, initial_state, cu_seqlens, 
     ``conv_splits``, else one per non-empty part, as the forward ran it, the gradients concatenated (dx
     written into ``dx_into``'s column parts instead, when given). ``l2norm_out``: None, or ``[(y0, rstd0),
     (y1, rstd1)]`` of a ``_split_conv_fwd`` with ``l2norm_dim`` (dys of the first two parts are those of the
-    normalised outputs): through the norm in the backend's conv backward where it ``_fuses_l2norm``, else here."""
+    normalised outputs): through the norm in the backend's conv backward where ``registry.fuses_l2norm``, else
+    here."""
     sizes = [d.shape[-1] for d in dys]
-    fused = l2norm_out is not None and _fuses_l2norm(b)
+    fused = l2norm_out is not None and fuses_l2norm(b)
     if l2norm_out is not None and not fused:
         dys = [_l2norm_bwd_from_output(*l2norm_out[i], dy).to(dy.dtype) if i < 2 and sizes[i] else dy
                for i, dy in enumerate(dys)]
@@ -605,9 +601,12 @@ def _conv_gate_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dg: Tensor, dbeta: Ten
     dmixed = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)
     dx, da, db = _mixed_split(dmixed, split_sizes, A_log)
     l2norm_out = None if y0 is None else [(y0, rstd0), (y1, rstd1)]
-    _, dw, _, dh0 = _split_conv_bwd(impl, (dy0, dy1, dy2), dfinal, x, weight, None, initial_state, cu_seqlens,
-                                    activation, output_final_state, dx, l2norm_out)
-    _, _, dA, ddt = _gate_bwd(impl, dg, dbeta, a, b, A_log, dt_bias, da, db)
+    # (records no autograd: under create_graph=True the saved tensors and upstream gradients require grad, and
+    # a torch-side part written into dmixed's views would otherwise be refused; _first_order ties the results)
+    with torch.no_grad():
+        _, dw, _, dh0 = _split_conv_bwd(impl, (dy0, dy1, dy2), dfinal, x, weight, None, initial_state, cu_seqlens,
+                                        activation, output_final_state, dx, l2norm_out)
+        _, _, dA, ddt = _gate_bwd(impl, dg, dbeta, a, b, A_log, dt_bias, da, db)
     return _distinct([dmixed, dw, dA, ddt, dh0], dy0, dy1, dy2, dg, dbeta, dfinal, mixed, weight, A_log, dt_bias,
                      initial_state)
 

@@ -87,7 +87,8 @@ def register_backend(backend: Backend) -> None:
     Raises:
         TypeError: ``grads_into=True`` without a ``causal_conv1d_bwd`` taking ``dx=`` and a ``gdn_gate_bwd``
             taking ``da=`` and ``db=`` (the flag promises both; a backend built by ``dataclasses.replace`` of a
-            shipped one inherits it).
+            shipped one inherits it); ``conv_l2norm=True`` without a ``causal_conv1d`` taking ``l2norm_dim=``
+            and a ``causal_conv1d_bwd`` taking ``l2norm_out=`` (likewise).
     """
     if backend.grads_into:
         for field, kwargs in (("causal_conv1d_bwd", ("dx",)), ("gdn_gate_bwd", ("da", "db"))):
@@ -96,6 +97,12 @@ def register_backend(backend: Backend) -> None:
                 raise TypeError(f"backend {backend.name!r} has grads_into=True, so its {field} must take "
                                 f"{', '.join(k + '=' for k in kwargs)} (views of the gradient buffer to write into); "
                                 f"set grads_into=False if it does not")
+    if backend.conv_l2norm:
+        for field, kwarg in (("causal_conv1d", "l2norm_dim"), ("causal_conv1d_bwd", "l2norm_out")):
+            fn = getattr(backend, field)
+            if fn is None or not _takes(fn, (kwarg,)):
+                raise TypeError(f"backend {backend.name!r} has conv_l2norm=True, so its {field} must take {kwarg}= "
+                                f"(the conv's own q / k norm); set conv_l2norm=False if it does not")
     _BACKENDS[backend.name] = backend
 
 
@@ -136,10 +143,15 @@ def backend_name(name: str, device: torch.device | str) -> str:
     return _resolved_name(name, str(device))
 
 
+def fuses_l2norm(b: Backend) -> bool:
+    """Whether backend ``b``'s conv normalises the q / k parts itself: ``conv_l2norm`` with one conv per part
+    (no ``conv_splits``) and a conv backward of its own (``ops.conv_gate`` asks the same)."""
+    return b.conv_l2norm and not b.conv_splits and b.causal_conv1d_bwd is not None
+
+
 @torch.compiler.assume_constant_result
 def _conv_fuses_l2norm(name: str, device: str) -> bool:
-    b = resolve_backend(name, device)
-    return b.conv_l2norm and not b.conv_splits
+    return fuses_l2norm(resolve_backend(name, device))
 
 
 def conv_fuses_l2norm(name: str, device: torch.device | str) -> bool:

@@ -179,7 +179,7 @@ def with_l2norm(outs, D):
 def test_l2norm_head_dim_normalises_q_and_k_per_head(backend, layout):
     """``l2norm_head_dim``: q and k L2-normalised over each head after the conv, in the conv kernels (Triton,
     one conv per part: the CUDA backends as shipped) or in torch around the conv (torch, split conv), with
-    gradients through the norm; with initial states the kernels hand the norm to ``triton/l2norm.py``. fp32
+    gradients through the norm; with initial states the Triton launcher normalises in torch after the conv. fp32
     against the float64 oracle: the separate ops and ``reference.l2norm``."""
     inp = inputs(**{"packed": {}, "packed_no_state": dict(init=False), "dense": dict(B=2, T=19, cu=None)}[layout])
     leaves = {k: v.clone().float().requires_grad_(True) for k, v in inp.items() if k != "cu" and v is not None}
@@ -200,10 +200,40 @@ def test_l2norm_head_dim_normalises_q_and_k_per_head(backend, layout):
 def test_l2norm_head_dim_is_checked():
     inp = inputs(dtype=torch.float32)
     m, w, A, dt = inp["mixed"], inp["weight"], inp["A_log"], inp["dt_bias"]
-    for bad, error in ((0, ValueError), (-8, ValueError), (True, TypeError), (4.0, TypeError),
+    for bad, error in ((0, ValueError), (-8, ValueError), (True, TypeError), (4.0, TypeError), (2 ** 63, ValueError),
                        (3, ValueError), (16, ValueError)):   # 16 divides v's 16 but not q's / k's 8
         with pytest.raises(error, match="l2norm_head_dim"):
             causal_conv1d_gate(m, w, A, dt, SIZES, cu_seqlens=inp["cu"], l2norm_head_dim=bad)
+
+
+def test_l2norm_head_dim_under_create_graph_gives_the_first_order_gradient_and_refuses_the_second(backend):
+    """``create_graph=True`` (gradient penalties, meta-learning): the first-order gradient through the norm is
+    the plain one on every backend (the torch-side norm's backward runs without recording autograd), and a
+    second backward raises instead of returning a partial second derivative."""
+    inp = inputs(init=False)
+    leaves = {k: v.clone().requires_grad_(True) for k, v in inp.items() if k != "cu" and v is not None}
+    outs = None
+    for create_graph in (False, True):
+        ys, *_ = causal_conv1d_gate(leaves["mixed"], leaves["weight"], leaves["A_log"], leaves["dt_bias"], SIZES,
+                                    cu_seqlens=inp["cu"], backend=backend, l2norm_head_dim=4)
+        gy = torch.randn(ys[0].shape, generator=torch.Generator().manual_seed(5), dtype=ys[0].dtype).to(DEV)
+        g, = torch.autograd.grad((ys[0] * gy).sum(), leaves["mixed"], create_graph=create_graph)
+        outs = [g] if outs is None else outs + [g]
+    torch.testing.assert_close(outs[1].detach(), outs[0], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="conv_gate is not twice differentiable"):
+        outs[1].square().sum().backward()
+
+
+def test_l2norm_backends_are_checked_when_registered():
+    """``conv_l2norm=True`` promises a conv taking ``l2norm_dim=`` and a conv backward taking ``l2norm_out=``
+    (inherited by ``dataclasses.replace`` of a shipped backend, as ``grads_into``)."""
+    torch_b = registry.backend_by_name("torch")
+    with pytest.raises(TypeError, match="conv_l2norm=True, so its causal_conv1d must take l2norm_dim="):
+        registry.register_backend(dataclasses.replace(torch_b, name="no_l2", conv_l2norm=True))
+    with pytest.raises(TypeError, match="conv_l2norm=True, so its causal_conv1d_bwd must take l2norm_out="):
+        registry.register_backend(dataclasses.replace(torch_b, name="no_l2_bwd", conv_l2norm=True,
+                                                      causal_conv1d=triton_ops.conv_fwd))
+    assert "no_l2" not in registry._BACKENDS and "no_l2_bwd" not in registry._BACKENDS
 
 
 def test_conv_fuses_l2norm_only_with_the_flag_and_one_conv_per_part(triton_cpu_backend, monkeypatch):

@@ -710,7 +710,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     (``triton/l2norm.py``'s ``l2norm_bwd_from_output``, one launch), then the conv's backward.
     """
     B, T, C = x.shape
-    if l2norm_out is not None:
+    if l2norm_out is not None and C > 0:
         y, rstd = l2norm_out
         D = C // rstd.shape[-1]
         dy = l2norm_bwd_from_output(_heads(y, D), rstd, _heads(dy, D)).flatten(-2)
