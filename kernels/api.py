@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from . import ops
 from .registry import backend_name
-from .validation import (check_conv_inputs, check_flags, check_float_tensors, check_gated_delta_inputs, check_scale,
-                         check_split_sizes)
+from .validation import (check_conv_inputs, check_flags, check_float_tensors, check_gated_delta_inputs,
+                         check_l2norm_head_dim, check_scale, check_split_sizes)
 
 
 def _activation(activation) -> str:
@@ -207,16 +207,7 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
     # (the gate's inputs are checked above: a and b are mixed's last 2H columns)
     _, cu = check_conv_inputs(mixed[..., :C], weight, None, initial_state, cu_seqlens, activation,
                               x_name="mixed[..., :C]")
-    l2norm_dim = 0
-    if l2norm_head_dim is not None:
-        if isinstance(l2norm_head_dim, bool) or not isinstance(l2norm_head_dim, int):
-            raise TypeError(f"l2norm_head_dim must be None or an int, got {type(l2norm_head_dim).__name__}")
-        if not 0 < l2norm_head_dim < 2 ** 31:
-            raise ValueError(f"l2norm_head_dim must be positive and below 2**31, got {l2norm_head_dim}")
-        if any(w % l2norm_head_dim for w in sizes[:2]):
-            raise ValueError(f"l2norm_head_dim = {l2norm_head_dim} must divide split_sizes[0] and split_sizes[1] "
-                             f"(whole heads of q and k), got split_sizes {list(split_sizes)}")
-        l2norm_dim = l2norm_head_dim
+    l2norm_dim = check_l2norm_head_dim(l2norm_head_dim, split_sizes)
     name = backend_name(backend, mixed.device)
     *ys, g, beta, final, _, _ = ops.conv_gate_op(mixed, weight, A_log, dt_bias, initial_state, cu, sizes,
                                                  _activation(activation), output_final_state, l2norm_dim, name)

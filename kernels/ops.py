@@ -55,6 +55,7 @@ from torch import Tensor
 from ..derived import derived_from_sizes
 from . import cu_cache
 from .reference import compute_dtype as math_dtype   # fp64 when any input is fp64, else fp32 (None ignored)
+from .reference import l2norm_bwd_from_output, l2norm_rstd
 from .registry import backend_by_name, fuses_l2norm
 
 _EMPTY = (0,)
@@ -68,9 +69,14 @@ _LIB = torch.library.Library("gdn_layer", "DEF")
 
 def _define(name: str, kernel, fake):
     """The operator ``gdn_layer::name`` with ``kernel``'s annotated signature as its schema, ``kernel`` for
-    every device and ``fake`` for tracing and the meta device; returns its ``OpOverload``."""
+    every device and ``fake`` for tracing and the meta device; returns its ``OpOverload``.
+
+    ``kernel`` runs without recording autograd: the ops are differentiated by their Functions alone, and under
+    ``create_graph=True`` a backward op's inputs (saved tensors, upstream gradients) require grad, where a
+    torch-side part written into a gradient buffer's view would otherwise be refused (``_first_order`` ties the
+    results to their inputs instead)."""
     _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=()))
-    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    _LIB.impl(name, torch.no_grad()(kernel), "CompositeExplicitAutograd")
     torch.library.register_fake(f"gdn_layer::{name}", fake, lib=_LIB)
     return getattr(torch.ops.gdn_layer, name).default
 
@@ -407,21 +413,17 @@ def _split_conv_fwd(b, x, weight, bias, initial_state, cu_seqlens, split_sizes, 
     if l2norm_dim and not fused:
         for i in range(min(2, len(ys))):
             heads = ys[i].to(dt).unflatten(-1, (-1, l2norm_dim))
-            rstds[i] = torch.rsqrt(heads.square().sum(-1) + L2NORM_EPS)
+            rstds[i] = l2norm_rstd(heads)
             ys[i] = (heads * rstds[i][..., None]).flatten(-2).to(x.dtype)
     final = final.to(dt) if final is not None else x.new_empty(_EMPTY, dtype=dt)
     return ys, final, rstds
 
 
-L2NORM_EPS = 1e-6   # (fla's l2norm; kernels/triton/l2norm.py, reference.l2norm)
-
-
-def _l2norm_bwd_from_output(y: Tensor, rstd: Tensor, dy: Tensor) -> Tensor:
-    """Gradient through ``y = heads * rstd`` (``_split_conv_fwd``'s torch norm) from y and rstd, in rstd's dtype:
-    ``(dy - y sum_head(dy y)) rstd``."""
-    h = y.to(rstd.dtype).unflatten(-1, (rstd.shape[-1], -1))
-    g = dy.to(rstd.dtype).unflatten(-1, (rstd.shape[-1], -1))
-    return ((g - h * (g * h).sum(-1, keepdim=True)) * rstd[..., None]).flatten(-2)
+def _l2norm_heads_bwd(y: Tensor, rstd: Tensor, dy: Tensor) -> Tensor:
+    """``reference.l2norm_bwd_from_output`` per head of ``y, dy [B, T, C]`` (``rstd [B, T, heads]``), in rstd's
+    dtype."""
+    heads = lambda t: t.to(rstd.dtype).unflatten(-1, (rstd.shape[-1], -1))   # noqa: E731
+    return l2norm_bwd_from_output(heads(y), rstd, heads(dy)).flatten(-2)
 
 
 def _causal_conv1d_split_fake(x, weight, bias, initial_state, cu_seqlens, split_sizes, activation, output_final_state,
@@ -452,7 +454,7 @@ def _split_conv_bwd(b, dys, dfinal, x, weight, bias, initial_state, cu_seqlens, 
     sizes = [d.shape[-1] for d in dys]
     fused = l2norm_out is not None and fuses_l2norm(b)
     if l2norm_out is not None and not fused:
-        dys = [_l2norm_bwd_from_output(*l2norm_out[i], dy).to(dy.dtype) if i < 2 and sizes[i] else dy
+        dys = [_l2norm_heads_bwd(*l2norm_out[i], dy).to(dy.dtype) if i < 2 and sizes[i] else dy
                for i, dy in enumerate(dys)]
     if b.conv_splits and b.causal_conv1d_bwd is not None:
         return _conv_bwd(b, list(dys), dfinal, x, weight, bias, initial_state, cu_seqlens, activation,
@@ -601,12 +603,9 @@ def _conv_gate_bwd(dy0: Tensor, dy1: Tensor, dy2: Tensor, dg: Tensor, dbeta: Ten
     dmixed = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)
     dx, da, db = _mixed_split(dmixed, split_sizes, A_log)
     l2norm_out = None if y0 is None else [(y0, rstd0), (y1, rstd1)]
-    # (records no autograd: under create_graph=True the saved tensors and upstream gradients require grad, and
-    # a torch-side part written into dmixed's views would otherwise be refused; _first_order ties the results)
-    with torch.no_grad():
-        _, dw, _, dh0 = _split_conv_bwd(impl, (dy0, dy1, dy2), dfinal, x, weight, None, initial_state, cu_seqlens,
-                                        activation, output_final_state, dx, l2norm_out)
-        _, _, dA, ddt = _gate_bwd(impl, dg, dbeta, a, b, A_log, dt_bias, da, db)
+    _, dw, _, dh0 = _split_conv_bwd(impl, (dy0, dy1, dy2), dfinal, x, weight, None, initial_state, cu_seqlens,
+                                    activation, output_final_state, dx, l2norm_out)
+    _, _, dA, ddt = _gate_bwd(impl, dg, dbeta, a, b, A_log, dt_bias, da, db)
     return _distinct([dmixed, dw, dA, ddt, dh0], dy0, dy1, dy2, dg, dbeta, dfinal, mixed, weight, A_log, dt_bias,
                      initial_state)
 

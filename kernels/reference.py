@@ -34,9 +34,23 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2NORM_EPS = 1e-6   # fla's l2norm
+
+
+def l2norm_rstd(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``rsqrt(sum(x^2, -1) + eps)``: ``x.shape[:-1]``, in x's dtype."""
+    return torch.rsqrt(x.pow(2).sum(-1) + eps)
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """``x * rsqrt(sum(x^2, -1) + eps)``, computed in x's dtype (callers pass fp32/fp64)."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    return x * l2norm_rstd(x, eps)[..., None]
+
+
+def l2norm_bwd_from_output(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``y = x * rstd`` (``l2norm``, ``rstd = l2norm_rstd(x)``) w.r.t. x from the output and the
+    factor alone: ``(dy - y sum(dy y, -1)) rstd``, in the inputs' promoted dtype."""
+    return (dy - y * (dy * y).sum(-1, keepdim=True)) * rstd[..., None]
 
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm, initial_state=None):

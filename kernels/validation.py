@@ -248,6 +248,21 @@ def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation,
     return N, cu
 
 
+def check_l2norm_head_dim(l2norm_head_dim, split_sizes) -> int:
+    """Validate ``causal_conv1d_gate``'s ``l2norm_head_dim`` against its (validated) ``split_sizes``: None, or an
+    int in ``(0, 2**31)`` dividing the first two sizes (whole heads of q and k). Returns it, 0 for None."""
+    if l2norm_head_dim is None:
+        return 0
+    if isinstance(l2norm_head_dim, bool) or not isinstance(l2norm_head_dim, int):
+        raise TypeError(f"l2norm_head_dim must be None or an int, got {type(l2norm_head_dim).__name__}")
+    if not 0 < l2norm_head_dim < 2 ** 31:
+        raise ValueError(f"l2norm_head_dim must be positive and below 2**31, got {l2norm_head_dim}")
+    if any(w % l2norm_head_dim for w in split_sizes[:2]):
+        raise ValueError(f"l2norm_head_dim = {l2norm_head_dim} must divide split_sizes[0] and split_sizes[1] "
+                         f"(whole heads of q and k), got split_sizes {list(split_sizes)}")
+    return l2norm_head_dim
+
+
 def check_split_sizes(split_sizes, C: int, what: str = "x.shape[-1]") -> list[int]:
     """Validate ``causal_conv1d_split``'s ``split_sizes`` for C channels (``what``: where C comes from, for
     the message); returns them padded with zeros to 3."""

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import cu_cache
+from .. import cu_cache, reference
 from . import _grid
 from ._grid import programs
 from ._layout import narrow_offsets, out_buffer, row_strides, rows_align
@@ -649,7 +649,7 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     if l2norm_dim and not _l2norm_fused(l2norm_dim, C, bias, initial_state, split_sizes):
         y, final = causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_final_state)
         h = _heads(y, l2norm_dim).to(_compute_dtype(x, weight, bias, initial_state))
-        rstd = torch.rsqrt(h.square().sum(-1) + L2NORM_EPS)
+        rstd = reference.l2norm_rstd(h, L2NORM_EPS)
         return (h * rstd[..., None]).flatten(-2).to(x.dtype), final, rstd
     l2_d = l2norm_dim
     x = narrow_offsets(x)

@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import reference
 from ._grid import programs
 from ._layout import row_strides, rows_align, unit_last
 
-EPS = 1e-6
+EPS = reference.L2NORM_EPS
 BLOCK_M = 16
 
 
@@ -136,9 +137,8 @@ def l2norm_bwd_from_output(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor
     float64: then computed in torch); returns a contiguous ``[..., D]`` in y's dtype. (fla's ``l2norm_bwd``
     takes the same saved pair.)"""
     if rstd.dtype == torch.float64 or y.dtype == torch.float64:
-        y64, dy64 = y.to(torch.float64), dy.to(torch.float64)
-        return ((dy64 - (dy64 * y64).sum(-1, keepdim=True) * y64) * rstd.to(torch.float64)[..., None]).to(
-            y.dtype).contiguous()
+        f64 = [t.to(torch.float64) for t in (y, rstd, dy)]
+        return reference.l2norm_bwd_from_output(*f64).to(y.dtype).contiguous()
     D = y.shape[-1]
     y, dy, rstd = y.contiguous(), dy.contiguous(), rstd.contiguous()
     dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
