@@ -5,6 +5,13 @@ packed bf16 input, forward and forward+backward timed with ``triton.testing.do_b
 memory of one forward+backward each, the order alternated. fla's chunk op hands itself to FlashQLA
 unless ``FLA_FLASH_QLA=0``; set that to compare the Triton paths.
 
+What a forward+backward is (``--grad``): ``output`` (the default) times the layer as it runs inside a model:
+``y.backward(dy)`` with a random bf16 ``dy`` drawn once, the input's and parameters' gradients set to None
+before each timed call (``do_bench(grad_to_none=...)``, as after ``zero_grad()``). ``loss`` is the
+measurement of sessions 1-20: ``y.float().square().mean().backward()``, gradients accumulating across calls,
+which adds the same ≈ 1.4 ms of fp32 loss kernels and gradient sums to both layers at T = 32k (profile of
+session 21, docs/performance.md).
+
     python examples/bench_vs_fla.py --backend fla --T 32768 --docs 9
     python examples/bench_vs_fla.py --backend fla --max-tokens      # largest pack of 32k documents that fits
 
@@ -27,6 +34,8 @@ def main(argv=None):
     ap.add_argument("--T", type=int, nargs="+", default=[32768], help="packed lengths, one table row each")
     ap.add_argument("--docs", type=int, default=9)
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    ap.add_argument("--grad", choices=["output", "loss"], default="output",
+                    help="backward from a random output gradient, or from the fp32 square-mean loss (sessions 1-20)")
     ap.add_argument("--max-tokens", action="store_true", help="search the largest packed T that fits instead")
     ap.add_argument("--layers", nargs="+", default=["ours", "fla"], choices=["ours", "fla"],
                     help="with --max-tokens: which layers to search")
@@ -37,7 +46,8 @@ def main(argv=None):
         return max_tokens(args)
     H, HK, HV, D, dt = 2048, 16, 32, 128, torch.bfloat16
     made = make_layers(args.backend, H, HK, HV, D, dt)
-    print(f"ours: backend {args.backend!r} -> {made['ours'][0].resolved_backend!r}", flush=True)
+    print(f"ours: backend {args.backend!r} -> {made['ours'][0].resolved_backend!r}; backward from "
+          f"{'a random output gradient' if args.grad == 'output' else 'y.float().square().mean()'}", flush=True)
     rows = [compare_at(T, args, made, H, dt) for T in args.T]
     print("\n| T | docs | fwd ms ours / fla | ratio | fwd+bwd ms ours / fla | ratio | peak GB ours / fla |\n"
           "|---|---|---|---|---|---|---|")
@@ -52,18 +62,24 @@ def compare_at(T, args, made, H, dt):
     rnd = random.Random(0)
     cut = torch.tensor([0, *sorted(rnd.sample(range(1, T), args.docs - 1)), T], device="cuda", dtype=torch.int32)
     x = torch.randn(1, T, H, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.randn(1, T, H, device="cuda", dtype=dt)
     res = {}
     for name in ["ours", "fla", "ours", "fla"]:          # alternate; the second round is the one kept
         m, call = made[name]
         run = lambda: call(m, x, cut)
-        fwdbwd = lambda: run().float().square().mean().backward()
+        if args.grad == "output":
+            fwdbwd, fresh = lambda: run().backward(dy), [x, *m.parameters()]
+        else:
+            fwdbwd, fresh = lambda: run().float().square().mean().backward(), None
         fwdbwd(); torch.cuda.synchronize()
+        for t in fresh or ():
+            t.grad = None
         torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
         fwdbwd(); torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 1e9
         with torch.no_grad():
             f = triton.testing.do_bench(run, warmup=10, rep=args.rep, return_mode="median")
-        fb = triton.testing.do_bench(fwdbwd, warmup=10, rep=args.rep, return_mode="median")
+        fb = triton.testing.do_bench(fwdbwd, warmup=10, rep=args.rep, grad_to_none=fresh, return_mode="median")
         res[name] = {"fwd_ms": round(f, 3), "fwdbwd_ms": round(fb, 3), "peak_gb": round(peak, 3)}
         print(T, name, json.dumps(res[name]), flush=True)
     for m, _ in made.values():

@@ -108,11 +108,16 @@ def _prep(q, k, v, g, beta, use_qk_l2norm):
 
 
 def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
-              use_qk_l2norm=False):
+              use_qk_l2norm=False, residuals=False):
+    """The gated delta rule's forward (``reference.chunk_gated_delta_rule``'s signature). ``residuals=True``:
+    returns ``(o, final, residuals)``, residuals FlashQLA's chunk-local gate cumsum ``[1, T', Hv]`` fp32 and UT
+    matrices ``A [1, T', Hv, 64]`` (q's dtype; T' the tokens after ``_compact``) for ``chunk_bwd``, as FlashQLA's
+    own autograd saves them, or ``()`` where fla's kernels or no kernel ran (the backward then recomputes)."""
     why = _why_not(q, k, v)
     if why:
         _fallback(why)
-        return fla_backend.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu, use_qk_l2norm)
+        out = fla_backend.chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu, use_qk_l2norm)
+        return (*out, ()) if residuals else out
     from flash_qla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
     h0 = fla_backend._state(initial_state)
     if q.shape[1] == 0:
@@ -123,18 +128,21 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             n = q.shape[0] if cu is None else cu.numel() - 1
             final = h0.clone() if h0 is not None else torch.zeros(n, v.shape[2], q.shape[-1], v.shape[-1],
                                                                   device=v.device)
-        return v.new_zeros(v.shape), final
+        return (v.new_zeros(v.shape), final, *(((),) if residuals else ()))
     c = _compact(cu)
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
-    _, _, o, _, final, _ = chunk_gated_delta_rule_fwd(
+    g_cum, A, o, _, final, _ = chunk_gated_delta_rule_fwd(
         qn, kn, v, g, beta, scale=scale, initial_state=_kept(h0, c), cu_seqlens=cu if c is None else c.cu,
         output_final_state=output_final_state, auto_cp=False)
     if c is not None and output_final_state:
         final = varlen.expand_states(c, final, h0)
-    return o, final
+    return (o, final, (g_cum, A)) if residuals else (o, final)
 
 
-def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
+def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False,
+              residuals=None):
+    """The gradients ``(dq, dk, dv, dg, dbeta, dh0)``; ``residuals``: ``chunk_fwd``'s (gate cumsum, A) for these
+    inputs, or None to recompute them. fla's kernels (``_why_not``) ignore them: another layout than fla's."""
     if _why_not(q, k, v):
         return fla_backend.chunk_bwd(do, dfinal, q, k, v, g, beta, scale, initial_state, cu, use_qk_l2norm)
     from flash_qla.ops.gated_delta_rule import chunk as qla
@@ -146,9 +154,11 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
     c = _compact(cu)
     cu = cu if c is None else c.cu
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
-    # recompute the chunk-local cumsum of g and the UT matrices A (cheap) instead of saving them
-    g_cum = qla.chunk_local_cumsum(g=g, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
-    A = qla.kkt_solve(k=kn, b=beta, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
+    if residuals is not None:       # the forward's (FlashQLA's autograd saves the same two)
+        g_cum, A = residuals
+    else:                           # recomputed: the chunk-local cumsum of g and the UT matrices A
+        g_cum = qla.chunk_local_cumsum(g=g, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
+        A = qla.kkt_solve(k=kn, b=beta, cu_seqlens=cu, chunk_size=qla.CHUNK_SIZE)
     dq, dk, dv, db, dg, dh0 = qla.chunk_gated_delta_rule_bwd(
         qn, kn, v, g_cum, beta, A, do.contiguous(), _kept(dht, c),
         scale=scale, initial_state=_kept(h0, c), cu_seqlens=cu, auto_cp=False)
@@ -187,7 +197,7 @@ def make_backend():
         gdn_gate=gate_fwd, chunk_gated_delta_rule_bwd=chunk_bwd,
         recurrent_gated_delta_rule_bwd=fla_backend.recurrent_bwd, causal_conv1d_bwd=conv_bwd,
         gdn_gate_bwd=gate_bwd, gated_rms_norm_bwd=norm_bwd, dense_as_packed=True, grads_into=True,
-        conv_splits=fla_backend.CONV_SPLITS, conv_l2norm=True,
+        conv_splits=fla_backend.CONV_SPLITS, conv_l2norm=True, chunk_residuals=True,
         warmup_sequence_counts=warmup_sequence_counts, as_in_capture=as_in_capture)
 
 

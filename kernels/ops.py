@@ -9,7 +9,8 @@ callable; its backward is a second op that calls the backend's backward callable
 backend that gives none (the torch reference, or a user-registered pure-torch backend), the
 vector-Jacobian product of its forward through ``torch.func.vjp`` (plain autograd does not record
 inside an op). Backward ops recompute what they need from the inputs: nothing but the inputs
-is saved for backward.
+is saved for backward, except what a backend's chunk forward hands its backward (``Backend.chunk_residuals``)
+and the conv's normalised q / k with their factors (``conv_gate``).
 
 How: each op is defined with ``torch.library.Library.define`` (the schema inferred from the Python
 signature, ``torch.library.infer_schema``), one kernel for every device (``CompositeExplicitAutograd``)
@@ -27,8 +28,10 @@ The gradients are first-order only: differentiating them (``create_graph=True``,
 Ops (inputs already validated by ``api.py``; optional outputs come back as empty tensors):
 
 - ``chunk_gated_delta_rule`` / ``recurrent_gated_delta_rule``:
-  ``(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, output_final_state, use_qk_l2norm, backend)
-  -> (o [B,T,Hv,Dv] v.dtype, final [N,Hv,Dk,Dv] fp32|fp64)``
+  ``(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, output_final_state, use_qk_l2norm, backend,
+  save_residuals) -> (o [B,T,Hv,Dv] v.dtype, final [N,Hv,Dk,Dv] fp32|fp64, r0, r1)``; r0, r1 the backend's
+  residuals (``Backend.chunk_residuals``: what its backward would otherwise recompute, opaque here), empty
+  unless ``save_residuals``, which the Function asks in eager mode only; the backward op takes them back last
 - ``causal_conv1d``: ``(x, weight, bias?, initial_state?, cu_seqlens?, activation, output_final_state,
   backend) -> (y [B,T,C] x.dtype, final [N,C,W-1] fp32|fp64)``
 - ``causal_conv1d_split``: the same with ``split_sizes`` (3 channel counts summing to C, zeros allowed)
@@ -177,10 +180,13 @@ def _vjp(fwd, primals: tuple, cotangents: tuple) -> list:
 # ------------------------------------------------------------------------------------------------
 # gated delta rule (chunk and recurrent share one schema)
 
-def _delta_rule_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, backend):
+def _delta_rule_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, backend,
+                     save_residuals):
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     shape = (N, v.shape[2], q.shape[3], v.shape[3]) if output_final_state else _EMPTY
-    return v.new_empty(v.shape), q.new_empty(shape, dtype=math_dtype(q, k, v, g, beta, initial_state))
+    # (residuals: empty, which is right where they are asked for only outside torch.compile: DeltaRule)
+    return (v.new_empty(v.shape), q.new_empty(shape, dtype=math_dtype(q, k, v, g, beta, initial_state)),
+            q.new_empty(_EMPTY), q.new_empty(_EMPTY))
 
 
 _DENSE_CU: dict = {}
@@ -217,27 +223,38 @@ def _make_delta_rule_ops(kind: str):
 
     def op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
            cu_seqlens: Optional[Tensor], scale: float, output_final_state: bool, use_qk_l2norm: bool,
-           backend: str) -> tuple[Tensor, Tensor]:
+           backend: str, save_residuals: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         b = backend_by_name(backend)
         cu, (fq, fk, fv, fg, fbeta), unfold = _as_packed(b, cu_seqlens, q, k, v, g, beta)
-        o, final = getattr(b, fwd_attr)(fq, fk, fv, fg, fbeta, scale=scale, initial_state=initial_state,
-                                        output_final_state=output_final_state, cu=cu, use_qk_l2norm=use_qk_l2norm)
+        out = getattr(b, fwd_attr)(fq, fk, fv, fg, fbeta, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, cu=cu, use_qk_l2norm=use_qk_l2norm,
+                                   **({"residuals": True} if save_residuals else {}))
+        o, final = out[:2]
+        residuals = tuple(out[2]) if save_residuals else ()
+        if len(residuals) not in (0, 2):
+            raise RuntimeError(f"backend {backend!r}'s {fwd_attr} returned {len(residuals)} residuals (0 or 2)")
         o = unfold(o)
         dt = math_dtype(q, k, v, g, beta, initial_state)
         final = final.to(dt) if final is not None else q.new_empty(_EMPTY, dtype=dt)
-        return _own(o.to(v.dtype), q, k, v, g, beta, initial_state), _own(final, q, k, v, g, beta, initial_state)
+        inputs = (q, k, v, g, beta, initial_state)
+        return (_own(o.to(v.dtype), *inputs), _own(final, *inputs),
+                *((_own(r, *inputs) for r in residuals) if residuals else (q.new_empty(_EMPTY), q.new_empty(_EMPTY))))
 
     fwd_op = _define(f"{kind}_gated_delta_rule", op, _delta_rule_fake)
 
     def bwd(do: Tensor, dfinal: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
             initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor], scale: float, output_final_state: bool,
-            use_qk_l2norm: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            use_qk_l2norm: bool, backend: str, r0: Tensor, r1: Tensor
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         b = backend_by_name(backend)
         custom = getattr(b, bwd_attr)
         if custom is not None:
             cu, (fdo, fq, fk, fv, fg, fbeta), unfold = _as_packed(b, cu_seqlens, do, q, k, v, g, beta)
+            kw = {}
+            if kind == "chunk" and b.chunk_residuals:
+                kw["residuals"] = (r0, r1) if r0.numel() or r1.numel() else None
             dq, dk, dv, dg, dbeta, dh0 = custom(fdo, dfinal, fq, fk, fv, fg, fbeta, scale=scale,
-                                                initial_state=initial_state, cu=cu, use_qk_l2norm=use_qk_l2norm)
+                                                initial_state=initial_state, cu=cu, use_qk_l2norm=use_qk_l2norm, **kw)
             dq, dk, dv, dg, dbeta = map(unfold, (dq, dk, dv, dg, dbeta))
         else:
             fwd = getattr(b, fwd_attr)
@@ -254,7 +271,7 @@ def _make_delta_rule_ops(kind: str):
         return _distinct((*grads, dh0), do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens)
 
     def bwd_fake(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm,
-                 backend):
+                 backend, r0, r1):
         dh0 = q.new_empty(_EMPTY) if initial_state is None else initial_state.new_empty(initial_state.shape)
         return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
                 beta.new_empty(beta.shape), dh0)
@@ -265,22 +282,30 @@ def _make_delta_rule_ops(kind: str):
         @staticmethod
         def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm,
                     backend):
-            ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+            # the backend's residuals (Backend.chunk_residuals) are kept for its backward in eager mode only:
+            # the fake implementation cannot know their shapes
+            save = kind == "chunk" and backend_by_name(backend).chunk_residuals and not torch.compiler.is_compiling()
+            o, final, r0, r1 = fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                                      use_qk_l2norm, backend, save)
+            ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *((r0, r1) if save else ()))
             ctx.args = (scale, output_final_state, use_qk_l2norm, backend)
-            return fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm,
-                          backend)
+            return o, final
 
         @staticmethod
         def backward(ctx, do, dfinal):
-            q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+            q, k, v, g, beta, initial_state, cu_seqlens, *residuals = ctx.saved_tensors
             scale, output_final_state, use_qk_l2norm, backend = ctx.args
             dfinal = dfinal if output_final_state else None
+            r0, r1 = residuals or (q.new_empty(_EMPTY), q.new_empty(_EMPTY))
             grads = bwd_op(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                           use_qk_l2norm, backend)
+                           use_qk_l2norm, backend, r0, r1)
             dq, dk, dv, dg, dbeta, dh0 = _first_order(fwd_attr, grads, (do, dfinal, q, k, v, g, beta, initial_state))
             return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None, None
 
-    return _entry(DeltaRule, fwd_op)
+    def no_autograd(*args):
+        return fwd_op(*args, False)[:2]
+
+    return _entry(DeltaRule, no_autograd)
 
 
 chunk_gated_delta_rule_op = _make_delta_rule_ops("chunk")

@@ -63,6 +63,13 @@ class Backend:
     # own norm off. False: ``ops.conv_gate`` normalises in torch around the conv, and the layer leaves the norm
     # to the delta-rule kernel (``conv_fuses_l2norm``)
     conv_l2norm: bool = False
+    # its ``chunk_gated_delta_rule`` takes ``residuals=True`` and then returns ``(o, final, residuals)``, residuals
+    # ``()`` or a pair of tensors its ``chunk_gated_delta_rule_bwd`` takes back as ``residuals=`` instead of
+    # recomputing them (FlashQLA: the gate's chunk-local cumsum and the UT matrices A, which FlashQLA's and fla's
+    # own autograd save too). Opaque to ``ops``: saved for backward as returned (packed layout, any shape). The
+    # backward is called with ``residuals=None`` where the forward returned ``()`` or was not asked (under
+    # ``torch.compile``, and for the recurrent op: never asked), and must then recompute. False: never asked
+    chunk_residuals: bool = False
     # run dense ``[B, T]`` delta-rule calls as a pack of B sequences of T tokens (exact): compiled
     # backends then build one (varlen) kernel variant per flag set instead of two
     dense_as_packed: bool = False
@@ -88,7 +95,8 @@ def register_backend(backend: Backend) -> None:
         TypeError: ``grads_into=True`` without a ``causal_conv1d_bwd`` taking ``dx=`` and a ``gdn_gate_bwd``
             taking ``da=`` and ``db=`` (the flag promises both; a backend built by ``dataclasses.replace`` of a
             shipped one inherits it); ``conv_l2norm=True`` without a ``causal_conv1d`` taking ``l2norm_dim=``
-            and a ``causal_conv1d_bwd`` taking ``l2norm_out=`` (likewise).
+            and a ``causal_conv1d_bwd`` taking ``l2norm_out=`` (likewise); ``chunk_residuals=True`` without a
+            ``chunk_gated_delta_rule`` and a ``chunk_gated_delta_rule_bwd`` taking ``residuals=``.
     """
     if backend.grads_into:
         for field, kwargs in (("causal_conv1d_bwd", ("dx",)), ("gdn_gate_bwd", ("da", "db"))):
@@ -103,6 +111,13 @@ def register_backend(backend: Backend) -> None:
             if fn is None or not _takes(fn, (kwarg,)):
                 raise TypeError(f"backend {backend.name!r} has conv_l2norm=True, so its {field} must take {kwarg}= "
                                 f"(the conv's own q / k norm); set conv_l2norm=False if it does not")
+    if backend.chunk_residuals:
+        for field in ("chunk_gated_delta_rule", "chunk_gated_delta_rule_bwd"):
+            fn = getattr(backend, field)
+            if fn is None or not _takes(fn, ("residuals",)):
+                raise TypeError(f"backend {backend.name!r} has chunk_residuals=True, so its {field} must take "
+                                f"residuals= (the tensors its chunk forward keeps for the backward); set "
+                                f"chunk_residuals=False if it does not")
     _BACKENDS[backend.name] = backend
 
 

@@ -61,7 +61,7 @@ for spec in "$@"; do
     compile_train) rm -rf /tmp/cc-train-t /tmp/cc-train-tl
                    TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --no-states --json "$OUT/compile_train.json" ;;
     vs_fla)        FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --T 8192 32768 131072 --docs 9 ;;
-    vs_fla_auto)   step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --T ${VS_T:-8192 32768 131072} --docs 9 ;;
+    vs_fla_auto)   step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --T ${VS_T:-8192 32768 131072} --docs 9 ${VS_ARGS:-} ;;
     tests_fla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "not flash_qla" ;;
     tests_qla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "flash_qla" ;;
     tests_k)       step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "${K:?set K to a -k expression}" ;;
@@ -98,6 +98,10 @@ for spec in "$@"; do
     norm)          step "$name" "$t" python3 "$R/scripts/bench_triton_norm.py" ;;
     profile)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend fla ;;
     profile_auto)  step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto ;;
+    # ours only: 40 kernels, the GPU's idle gaps and host syncs; WHY=PATTERN: where matching kernels come from
+    # (Python stacks: slows the host, so the gaps are not the real ones then)
+    prof_gaps)     step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto --only ours --top 40 --gaps \
+                        ${WHY:+--why "$WHY"} ${PROF_ARGS:-} ;;
     parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 --warmup-kernels ;;
     a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
     prof_a2a)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/scripts/profile_sp.py" --what a2a --T "${T:-65536}" --trace "$OUT/trace_a2a" ;;

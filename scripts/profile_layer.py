@@ -5,11 +5,22 @@ packed T in --docs documents). After two warm-up steps, torch.profiler records -
 top kernels by total CUDA time per step, and the sum over all kernels. Needs CUDA and fla-core.
 
     FLA_FLASH_QLA=0 python3 scripts/profile_layer.py --backend fla --T 32768 --docs 9
+    python3 scripts/profile_layer.py --only ours --gaps --why "Memcpy|direct_copy|elementwise"
+
+``--gaps``: the time the GPU sat idle inside the profiled steps (the span from the first kernel's start to the
+last one's end, less the kernels' union), the largest idle gaps with the kernels around them, and the host
+synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, device-to-host
+copies) with the aten ops they ran in. ``--why PATTERN``: for each kernel whose name matches the regular
+expression, the aten ops and Python frames that launched it (one line per distinct origin, with its time).
 """
 import argparse
+import collections
+import json
 import os
 import random
+import re
 import sys
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,6 +35,12 @@ def main():
     ap.add_argument("--docs", type=int, default=9)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--only", choices=["ours", "fla"], help="profile one layer only")
+    ap.add_argument("--grad", choices=["output", "loss"], default="output",
+                    help="backward from a random output gradient (grads set to None before each step), or from "
+                         "y.float().square().mean() with gradients accumulating (sessions 1-20)")
+    ap.add_argument("--gaps", action="store_true", help="GPU idle time in the steps, its largest gaps, host syncs")
+    ap.add_argument("--why", metavar="PATTERN", help="the aten ops / Python frames launching matching kernels")
     args = ap.parse_args()
     from requires import require_cuda
     require_cuda("profile_layer.py", fla=True)
@@ -35,27 +52,115 @@ def main():
     cu = torch.tensor([0, *sorted(rnd.sample(range(1, args.T), args.docs - 1)), args.T], device="cuda",
                       dtype=torch.int32)
     x = torch.randn(1, args.T, H, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.randn(1, args.T, H, device="cuda", dtype=dt)
     torch.manual_seed(0)
     ours = GatedDeltaNet(H, HK, HV, D, D, backend=args.backend, device="cuda", dtype=dt)
     fla = FlaGDN(hidden_size=H, expand_v=1, head_dim=D, num_heads=HK, num_v_heads=HV, mode="chunk",
                  use_short_conv=True).to("cuda", dt)
-    for name, step in (("ours (" + ours.resolved_backend + ")", lambda: ours(x, cu_seqlens=cu)),
-                       ("fla layer", lambda: fla(x, cu_seqlens=cu)[0])):
+    layers = (("ours", "ours (" + ours.resolved_backend + ")", lambda: ours(x, cu_seqlens=cu)),
+              ("fla", "fla layer", lambda: fla(x, cu_seqlens=cu)[0]))
+    for key, name, step in layers:
+        if args.only and key != args.only:
+            continue
+        m = ours if key == "ours" else fla
+
+        def fwdbwd():
+            if args.grad == "loss":
+                return step().float().square().mean().backward()
+            for t in (x, *m.parameters()):
+                t.grad = None
+            step().backward(dy)
         for _ in range(2):
-            step().float().square().mean().backward()
+            fwdbwd()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        trace = args.gaps or args.why
+        acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+        with profile(activities=acts, with_stack=bool(args.why)) as prof:
             for _ in range(args.steps):
-                step().float().square().mean().backward()
+                fwdbwd()
             torch.cuda.synchronize()
-        rows = [(e.key, e.device_time_total / args.steps / 1e3, e.count // args.steps)
-                for e in prof.key_averages() if e.device_time_total > 0]
+        events = None
+        if trace:
+            with tempfile.TemporaryDirectory() as d:
+                prof.export_chrome_trace(os.path.join(d, "t.json"))
+                with open(os.path.join(d, "t.json")) as f:
+                    events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+            per = collections.defaultdict(lambda: [0.0, 0])
+            for k in _kernels(events):
+                per[k["name"]][0] += k["dur"]
+                per[k["name"]][1] += 1
+            rows = [(n, us / args.steps / 1e3, c // args.steps) for n, (us, c) in per.items()]
+        else:
+            rows = [(e.key, e.device_time_total / args.steps / 1e3, e.count // args.steps)
+                    for e in prof.key_averages() if e.device_time_total > 0]
         rows.sort(key=lambda r: -r[1])
         total = sum(r[1] for r in rows)
-        print(f"\n## {name}: {total:.2f} ms of CUDA kernels per fwd+bwd step (T={args.T}, docs={args.docs})")
+        print(f"\n## {name}: {total:.2f} ms of CUDA kernels per fwd+bwd step (T={args.T}, docs={args.docs}, "
+              f"backward from {'a random output gradient' if args.grad == 'output' else 'the square-mean loss'})")
         print("| ms/step | calls | kernel |\n|---|---|---|")
         for key, ms, n in rows[:args.top]:
             print(f"| {ms:.3f} | {n} | {key[:90]} |")
+        if trace:
+            if args.gaps:
+                print_gaps(events, args.steps)
+            if args.why:
+                print_why(events, args.why, args.steps)
+
+
+_SYNCS = re.compile(r"cuda(Stream|Device|Event)Synchronize|cudaMemcpy$")
+
+
+def _kernels(events):
+    return sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+
+
+def _enclosing(events, at, tid, cats=("cpu_op",)):
+    """Names of the events of ``cats`` on thread ``tid`` that contain time ``at``, outermost first."""
+    return [e["name"] for e in sorted((e for e in events if e.get("cat") in cats and e["tid"] == tid
+                                       and e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: e["ts"])]
+
+
+def print_gaps(events, steps):
+    ks = _kernels(events)
+    span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
+    busy, end, gaps = 0.0, ks[0]["ts"], []
+    for prev, k in zip([None] + ks[:-1], ks):
+        if k["ts"] > end:
+            gaps.append((k["ts"] - end, prev["name"] if prev else "", k["name"]))
+        busy += max(0.0, k["ts"] + k["dur"] - max(end, k["ts"]))
+        end = max(end, k["ts"] + k["dur"])
+    print(f"\nGPU span {span / steps / 1e3:.3f} ms per step, busy {busy / steps / 1e3:.3f}, idle "
+          f"{(span - busy) / steps / 1e3:.3f} ({len(gaps) / steps:.0f} gaps per step; "
+          f"{sum(g for g, *_ in gaps if g > 10) / steps / 1e3:.3f} ms in gaps over 10 us)")
+    print("| gap us | after kernel | before kernel |\n|---|---|---|")
+    for g, a, b in sorted(gaps, reverse=True)[:15]:
+        print(f"| {g:.1f} | {a[:60]} | {b[:60]} |")
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and _SYNCS.search(e["name"])]
+    by = collections.Counter()
+    for e in syncs:
+        by[(e["name"], " > ".join(_enclosing(events, e["ts"], e["tid"])[-4:]))] += e["dur"]
+    print(f"\nhost syncs / blocking copies: {len(syncs) / steps:.1f} per step")
+    for (n, where), us in by.most_common(12):
+        print(f"  {us / steps:8.1f} us/step  {n}  in  {where[:160]}")
+
+
+def print_why(events, pattern, steps):
+    rx = re.compile(pattern)
+    runtime = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"}
+    origin = collections.Counter()
+    for k in _kernels(events):
+        if not rx.search(k["name"]):
+            continue
+        r = runtime.get(k.get("args", {}).get("correlation"))
+        if r is None:
+            continue
+        ops = _enclosing(events, r["ts"], r["tid"])
+        frames = [n for n in _enclosing(events, r["ts"], r["tid"], ("python_function",))
+                  if "/gdn_layer/" in n or "/flash_qla/" in n or "/fla/" in n or "profile_layer" in n]
+        origin[(k["name"][:50], " > ".join(ops[-3:]), " < ".join(reversed(frames[-4:])))] += k["dur"]
+    print(f"\nkernels matching {pattern!r}, by origin (us per step):")
+    for (kname, ops, frames), us in origin.most_common(30):
+        print(f"  {us / steps:8.1f}  {kname}\n           ops: {ops[:150]}\n           py:  {frames[:300]}")
 
 
 if __name__ == "__main__":

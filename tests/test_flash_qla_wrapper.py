@@ -31,9 +31,12 @@ def _fake_flash_qla(monkeypatch, calls):
         o, s = run(q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state)
         if _check(cu_seqlens):
             o = torch.full_like(o, float("nan"))
-        return g, None, o.to(v.dtype), None, None if s is None else s.float(), None
+        A = torch.full((*k.shape[:2], v.shape[2], 64), float(len(chunk.made_A)), dtype=k.dtype)  # a marked A
+        chunk.made_A.append(A)
+        return g, A, o.to(v.dtype), None, None if s is None else s.float(), None
 
     def bwd(q, k, v, g, beta, A, do, dht, scale=None, initial_state=None, cu_seqlens=None, auto_cp=True):
+        chunk.seen_A.append(A)
         nan = _check(cu_seqlens)
         leaves = [t.double().requires_grad_(True) for t in (q, k, v, g, beta)]
         h0 = None if initial_state is None else initial_state.double().requires_grad_(True)
@@ -50,13 +53,19 @@ def _fake_flash_qla(monkeypatch, calls):
     chunk.chunk_gated_delta_rule_fwd, chunk.chunk_gated_delta_rule_bwd = fwd, bwd
     chunk.CHUNK_SIZE = 64
     chunk.chunk_local_cumsum = lambda g, cu_seqlens, chunk_size: g   # the fake's bwd takes the raw gate
-    chunk.kkt_solve = lambda k, b, cu_seqlens, chunk_size: None
+    chunk.made_A, chunk.seen_A = [], []
+
+    def kkt_solve(k, b, cu_seqlens, chunk_size):
+        chunk.made_A.append(torch.full((*k.shape[:2], b.shape[2], 64), -1.0, dtype=k.dtype))   # recomputed
+        return chunk.made_A[-1]
+    chunk.kkt_solve = kkt_solve
     names = ["flash_qla", "flash_qla.ops", "flash_qla.ops.gated_delta_rule"]
     mods = {n: types.ModuleType(n) for n in names}
     mods["flash_qla"].ops, mods["flash_qla.ops"].gated_delta_rule = mods["flash_qla.ops"], mods[names[2]]
     mods[names[2]].chunk = chunk
     for n, m in [*mods.items(), (chunk.__name__, chunk)]:
         monkeypatch.setitem(sys.modules, n, m)
+    return chunk
 
 
 def _inputs(cu, with_state, seed):
@@ -154,3 +163,36 @@ def test_a_dense_batch_without_tokens_does_not_reach_flash_qla(monkeypatch, with
     assert all(gr.shape == x.shape for gr, x in zip(grads[:5], xs))
     assert grads[5] is None if h0 is None else torch.equal(grads[5], dfinal)
     assert calls == []
+
+
+@pytest.mark.parametrize("cu", [[0, 100, 100, 257, 700], [0, 65, 130]])
+def test_the_backward_takes_the_forwards_gate_cumsum_and_A(monkeypatch, cu):
+    """``residuals=True``: the forward returns FlashQLA's chunk-local gate cumsum and UT matrices A, and the
+    backward given them runs FlashQLA's backward on them (no ``kkt_solve``); given None it recomputes both.
+    The gradients are the same either way (FlashQLA's recompute is the forward's computation)."""
+    chunk = _fake_flash_qla(monkeypatch, [])
+    xs, h0, cut = _inputs(cu, True, seed=3)
+    o, s, res = flash_qla_backend.chunk_fwd(*xs, initial_state=h0, output_final_state=True, cu=cut, residuals=True)
+    assert len(res) == 2 and res[1] is chunk.made_A[-1] and len(chunk.made_A) == 1
+    o2, s2 = flash_qla_backend.chunk_fwd(*xs, initial_state=h0, output_final_state=True, cu=cut)
+    assert torch.equal(o, o2) and torch.equal(s, s2)
+    gen = torch.Generator().manual_seed(9)
+    do, dfinal = torch.randn(o.shape, generator=gen).bfloat16(), torch.randn(s.shape, generator=gen)
+    kept = flash_qla_backend.chunk_bwd(do, dfinal, *xs, initial_state=h0, cu=cut, residuals=res)
+    assert chunk.seen_A[-1] is res[1] and len(chunk.made_A) == 2          # no kkt_solve
+    again = flash_qla_backend.chunk_bwd(do, dfinal, *xs, initial_state=h0, cu=cut)
+    assert chunk.seen_A[-1] is chunk.made_A[-1] and float(chunk.made_A[-1].flatten()[0]) == -1.0   # recomputed
+    for a, b in zip(kept, again):
+        assert torch.equal(a, b)
+
+
+def test_no_residuals_where_flash_qla_does_not_run(monkeypatch):
+    """fla's kernels (here: fp32 inputs) and a pack without tokens return ``()``: the backward recomputes."""
+    _fake_flash_qla(monkeypatch, [])
+    xs, h0, cut = _inputs([0, 0, 0], False, seed=2)
+    assert flash_qla_backend.chunk_fwd(*xs, initial_state=h0, cu=cut, residuals=True)[2] == ()
+    calls = []
+    monkeypatch.setattr(flash_qla_backend.fla_backend, "chunk_fwd", lambda *a: calls.append(a) or ("o", None))
+    xs, h0, cut = _inputs([0, 5, 9], False, seed=2)
+    out = flash_qla_backend.chunk_fwd(*(x.float() for x in xs), initial_state=h0, cu=cut, residuals=True)
+    assert out == ("o", None, ()) and len(calls) == 1

@@ -15,7 +15,7 @@ from gdn_layer.kernels import Backend, register_backend, registry, resolve_backe
 
 OPS = [f.name for f in dataclasses.fields(Backend)
        if f.name not in ("name", "available", "priority", "dense_as_packed", "conv_splits", "grads_into",
-                         "conv_l2norm")]
+                         "conv_l2norm", "chunk_residuals")]
 ALL_OPS = {"causal_conv1d", "gdn_gate", "gated_rms_norm", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"}
 
 
