@@ -102,6 +102,8 @@ for spec in "$@"; do
     # (Python stacks: slows the host, so the gaps are not the real ones then)
     prof_gaps)     step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto --only ours --top 40 --gaps \
                         ${WHY:+--why "$WHY"} ${PROF_ARGS:-} ;;
+    # the same for fla's layer, and both layers' steps as do_bench times them (the bench's ms against the kernels')
+    prof_loop)     step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto --top 12 --gaps --loop 8 ${PROF_ARGS:-} ;;
     parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 --warmup-kernels ;;
     a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
     prof_a2a)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/scripts/profile_sp.py" --what a2a --T "${T:-65536}" --trace "$OUT/trace_a2a" ;;

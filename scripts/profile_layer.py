@@ -41,6 +41,9 @@ def main():
                          "y.float().square().mean() with gradients accumulating (sessions 1-20)")
     ap.add_argument("--gaps", action="store_true", help="GPU idle time in the steps, its largest gaps, host syncs")
     ap.add_argument("--why", metavar="PATTERN", help="the aten ops / Python frames launching matching kernels")
+    ap.add_argument("--loop", type=int, metavar="N",
+                    help="also N steps as triton.testing.do_bench times them (L2 flushed, gradients None, CUDA "
+                         "events around each step): per step the events' time, the GPU's busy and idle time in it")
     args = ap.parse_args()
     from requires import require_cuda
     require_cuda("profile_layer.py", fla=True)
@@ -100,11 +103,61 @@ def main():
         print("| ms/step | calls | kernel |\n|---|---|---|")
         for key, ms, n in rows[:args.top]:
             print(f"| {ms:.3f} | {n} | {key[:90]} |")
+        if args.loop:
+            bench_loop(fwdbwd, m, x, args.loop)
         if trace:
             if args.gaps:
                 print_gaps(events, args.steps)
             if args.why:
                 print_why(events, args.why, args.steps)
+
+
+def bench_loop(fwdbwd, m, x, n):
+    """``n`` steps as ``do_bench`` runs them, profiled: where its time per step differs from the kernels' sum."""
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+    starts, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in range(2))
+
+    def loop():
+        torch.cuda.synchronize()
+        fwdbwd()                                    # do_bench's warm-up call
+        for i in range(n):
+            for t in (x, *m.parameters()):
+                t.grad = None
+            cache.zero_()
+            starts[i].record()
+            with torch.profiler.record_function(f"bench_step_{i}"):
+                fwdbwd()
+            ends[i].record()
+        torch.cuda.synchronize()
+    loop()
+    plain = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    print(f"\n{n} steps as do_bench runs them, not profiled: median {plain[n // 2]:.3f} ms, min {plain[0]:.3f}, "
+          f"max {plain[-1]:.3f}")
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        loop()
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(os.path.join(d, "t.json"))
+        with open(os.path.join(d, "t.json")) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    ks = _kernels(events)
+    windows = {e["name"]: e for e in events if e.get("cat") == "gpu_user_annotation"
+               and e["name"].startswith("bench_step_")}
+    print("profiled (the GPU window: first to last kernel of the step; events - window = the wait for the first "
+          "kernel and after the last)\n| step | events ms | GPU window ms | busy ms | idle ms |\n|---|---|---|---|---|")
+    for i in range(n):
+        w = windows.get(f"bench_step_{i}")
+        if w is None:
+            print(f"| {i} | {starts[i].elapsed_time(ends[i]):.3f} | (no GPU range) | | |")
+            continue
+        a, b = w["ts"], w["ts"] + w["dur"]
+        busy, end = 0.0, a
+        for k in ks:
+            s, e = max(k["ts"], a, end), min(k["ts"] + k["dur"], b)
+            if e > s:
+                busy += e - s
+                end = e
+        print(f"| {i} | {starts[i].elapsed_time(ends[i]):.3f} | {(b - a) / 1e3:.3f} | {busy / 1e3:.3f} | "
+              f"{(b - a - busy) / 1e3:.3f} |")
 
 
 _SYNCS = re.compile(r"cuda(Stream|Device|Event)Synchronize|cudaMemcpy$")
