@@ -29,10 +29,11 @@ import triton
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--backend", default="auto", help="our layer's backend")
     ap.add_argument("--T", type=int, nargs="+", default=[32768], help="packed lengths, one table row each")
-    ap.add_argument("--docs", type=int, default=9)
+    ap.add_argument("--docs", type=int, default=9, help="documents per pack (random boundaries, seed 0)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     ap.add_argument("--grad", choices=["output", "loss"], default="output",
                     help="backward from a random output gradient, or from the fp32 square-mean loss (sessions 1-20)")

@@ -33,8 +33,27 @@ class Backend:
 
     The forward callables have the signatures of ``reference.py``'s functions (inputs validated,
     ``cu`` int64 or None). Each ``*_bwd`` is optional: given, it computes the input gradients from the
-    inputs and the output gradients (signatures in ``ops.py``); None means the gradients are the
-    vector-Jacobian product of the forward callable (right for pure-torch implementations).
+    inputs and the output gradients, and replaces the automatic gradient entirely (so it must handle every
+    argument the forward takes, ``use_qk_l2norm`` and ``initial_state`` included); None means the gradients
+    are the vector-Jacobian product of the forward callable (right for pure-torch implementations).
+
+    Backward callables (gradients in any float dtype, cast by ``ops``; None for an absent optional input):
+
+    - ``chunk_gated_delta_rule_bwd`` / ``recurrent_gated_delta_rule_bwd``: ``(do, dfinal, q, k, v, g, beta, *,
+      scale, initial_state, cu, use_qk_l2norm[, residuals]) -> (dq, dk, dv, dg, dbeta, dh0)``; ``dfinal`` None
+      when the forward gave no final state, ``dh0`` None without ``initial_state``. The layer calls the chunk
+      op with ``use_qk_l2norm=True`` except where its conv normalised q and k (``conv_fuses_l2norm``).
+    - ``causal_conv1d_bwd``: ``(dy, dfinal, x, weight, bias, *, activation, cu, initial_state[, dx][, l2norm_out])
+      -> (dx, dweight, dbias, dinitial)`` (dy a list of parts with ``conv_splits``).
+    - ``gdn_gate_bwd``: ``(dg, dbeta, a, b, A_log, dt_bias[, *, da, db]) -> (da, db, dA_log, ddt_bias)``.
+    - ``gated_rms_norm_bwd``: ``(dy, x, z, weight, eps) -> (dx, dz, dweight)``.
+
+    Flags and hooks (each one's promise in the comment above its field; ``register_backend`` checks the
+    keywords a flag needs): ``conv_splits`` (one conv launch for q, k, v), ``grads_into`` (backwards that write
+    into views of one gradient buffer: ``dx=``, ``da=``, ``db=``), ``conv_l2norm`` (the conv normalises q and k:
+    ``l2norm_dim=`` / ``l2norm_out=``), ``chunk_residuals`` (the chunk forward keeps tensors for its backward:
+    ``residuals=``), ``dense_as_packed``, ``warmup_sequence_counts``, ``as_in_capture``. A shipped backend is a
+    starting point: ``dataclasses.replace(resolve_backend("torch", "cpu"), name=..., ...)``.
     """
     name: str
     chunk_gated_delta_rule: Callable

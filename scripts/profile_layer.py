@@ -29,12 +29,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--T", type=int, default=32768)
-    ap.add_argument("--docs", type=int, default=9)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--top", type=int, default=22)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--backend", default="auto", help="our layer's backend")
+    ap.add_argument("--T", type=int, default=32768, help="packed tokens")
+    ap.add_argument("--docs", type=int, default=9, help="documents per pack (random boundaries, seed 0)")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps (after two warm-up steps)")
+    ap.add_argument("--top", type=int, default=22, help="kernels listed")
     ap.add_argument("--only", choices=["ours", "fla"], help="profile one layer only")
     ap.add_argument("--grad", choices=["output", "loss"], default="output",
                     help="backward from a random output gradient (grads set to None before each step), or from "
