@@ -110,9 +110,10 @@ def _prep(q, k, v, g, beta, use_qk_l2norm):
 def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu=None,
               use_qk_l2norm=False, residuals=False):
     """The gated delta rule's forward (``reference.chunk_gated_delta_rule``'s signature). ``residuals=True``:
-    returns ``(o, final, residuals)``, residuals FlashQLA's chunk-local gate cumsum ``[1, T', Hv]`` fp32 and UT
-    matrices ``A [1, T', Hv, 64]`` (q's dtype; T' the tokens after ``_compact``) for ``chunk_bwd``, as FlashQLA's
-    own autograd saves them, or ``()`` where fla's kernels or no kernel ran (the backward then recomputes)."""
+    returns ``(o, final, residuals)``, residuals FlashQLA's chunk-local gate cumsum ``[B, T, Hv]`` fp32 and UT
+    matrices ``A [B, T, Hv, 64]`` (q's dtype; B = 1 for a pack, and for a dense call, which ``ops`` hands on as a
+    pack) for ``chunk_bwd``, as FlashQLA's own autograd saves them, or ``()`` where fla's kernels or no kernel ran
+    (the backward then recomputes)."""
     why = _why_not(q, k, v)
     if why:
         _fallback(why)

@@ -31,7 +31,9 @@ Ops (inputs already validated by ``api.py``; optional outputs come back as empty
   ``(q, k, v, g, beta, initial_state?, cu_seqlens?, scale, output_final_state, use_qk_l2norm, backend,
   save_residuals) -> (o [B,T,Hv,Dv] v.dtype, final [N,Hv,Dk,Dv] fp32|fp64, r0, r1)``; r0, r1 the backend's
   residuals (``Backend.chunk_residuals``: what its backward would otherwise recompute, opaque here), empty
-  unless ``save_residuals``, which the Function asks in eager mode only; the backward op takes them back last
+  unless ``save_residuals``, which the Function asks in eager mode only (and only when an input needs a
+  gradient); the backward op takes them back last. The fake implementation returns them empty: it is right
+  only for ``save_residuals=False`` (what ``torch.compile`` traces), since their shapes are the backend's
 - ``causal_conv1d``: ``(x, weight, bias?, initial_state?, cu_seqlens?, activation, output_final_state,
   backend) -> (y [B,T,C] x.dtype, final [N,C,W-1] fp32|fp64)``
 - ``causal_conv1d_split``: the same with ``split_sizes`` (3 channel counts summing to C, zeros allowed)
@@ -218,6 +220,19 @@ def _as_packed(b, cu_seqlens, *tensors):
     return cu, flat, lambda x: x.reshape(B, T, *x.shape[2:])
 
 
+def _residuals(out, backend: str, fwd_attr: str) -> tuple:
+    """The residuals of a forward asked for them: ``out[2]``, ``()`` or a pair of tensors (``Backend.chunk_residuals``),
+    else RuntimeError naming the backend."""
+    r = out[2] if isinstance(out, (tuple, list)) and len(out) == 3 else None
+    if not isinstance(r, (tuple, list)) or len(r) not in (0, 2) or not all(isinstance(t, Tensor) for t in r):
+        got = (f"{len(out)} values" if isinstance(out, (tuple, list)) and len(out) != 3
+               else f"residuals {type(r).__name__}" + (f" of {len(r)}" if isinstance(r, (tuple, list)) else ""))
+        raise RuntimeError(f"backend {backend!r} has chunk_residuals=True, so its {fwd_attr} called with "
+                           f"residuals=True must return (o, final, residuals) with residuals () or a pair of "
+                           f"tensors; got {got}")
+    return tuple(r)
+
+
 def _make_delta_rule_ops(kind: str):
     fwd_attr, bwd_attr = f"{kind}_gated_delta_rule", f"{kind}_gated_delta_rule_bwd"
 
@@ -230,9 +245,7 @@ def _make_delta_rule_ops(kind: str):
                                    output_final_state=output_final_state, cu=cu, use_qk_l2norm=use_qk_l2norm,
                                    **({"residuals": True} if save_residuals else {}))
         o, final = out[:2]
-        residuals = tuple(out[2]) if save_residuals else ()
-        if len(residuals) not in (0, 2):
-            raise RuntimeError(f"backend {backend!r}'s {fwd_attr} returned {len(residuals)} residuals (0 or 2)")
+        residuals = _residuals(out, backend, fwd_attr) if save_residuals else ()
         o = unfold(o)
         dt = math_dtype(q, k, v, g, beta, initial_state)
         final = final.to(dt) if final is not None else q.new_empty(_EMPTY, dtype=dt)
@@ -284,7 +297,8 @@ def _make_delta_rule_ops(kind: str):
                     backend):
             # the backend's residuals (Backend.chunk_residuals) are kept for its backward in eager mode only:
             # the fake implementation cannot know their shapes
-            save = kind == "chunk" and backend_by_name(backend).chunk_residuals and not torch.compiler.is_compiling()
+            save = (kind == "chunk" and backend_by_name(backend).chunk_residuals and any(ctx.needs_input_grad[:6])
+                    and not torch.compiler.is_compiling())
             o, final, r0, r1 = fwd_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
                                       use_qk_l2norm, backend, save)
             ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *((r0, r1) if save else ()))

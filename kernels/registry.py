@@ -40,8 +40,9 @@ class Backend:
     Backward callables (gradients in any float dtype, cast by ``ops``; None for an absent optional input):
 
     - ``chunk_gated_delta_rule_bwd`` / ``recurrent_gated_delta_rule_bwd``: ``(do, dfinal, q, k, v, g, beta, *,
-      scale, initial_state, cu, use_qk_l2norm[, residuals]) -> (dq, dk, dv, dg, dbeta, dh0)``; ``dfinal`` None
-      when the forward gave no final state, ``dh0`` None without ``initial_state``. The layer calls the chunk
+      scale, initial_state, cu, use_qk_l2norm) -> (dq, dk, dv, dg, dbeta, dh0)``, and ``residuals=`` for the
+      chunk one of a backend with ``chunk_residuals``; ``dfinal`` None when the forward gave no final state,
+      ``dh0`` None without ``initial_state``. The layer calls the chunk
       op with ``use_qk_l2norm=True`` except where its conv normalised q and k (``conv_fuses_l2norm``).
     - ``causal_conv1d_bwd``: ``(dy, dfinal, x, weight, bias, *, activation, cu, initial_state[, dx][, l2norm_out])
       -> (dx, dweight, dbias, dinitial)`` (dy a list of parts with ``conv_splits``).
@@ -85,9 +86,11 @@ class Backend:
     # its ``chunk_gated_delta_rule`` takes ``residuals=True`` and then returns ``(o, final, residuals)``, residuals
     # ``()`` or a pair of tensors its ``chunk_gated_delta_rule_bwd`` takes back as ``residuals=`` instead of
     # recomputing them (FlashQLA: the gate's chunk-local cumsum and the UT matrices A, which FlashQLA's and fla's
-    # own autograd save too). Opaque to ``ops``: saved for backward as returned (packed layout, any shape). The
-    # backward is called with ``residuals=None`` where the forward returned ``()`` or was not asked (under
-    # ``torch.compile``, and for the recurrent op: never asked), and must then recompute. False: never asked
+    # own autograd save too). Opaque to ``ops``: two tensors (no None), saved for backward as returned (the layout
+    # the backend was called with: packed ``[1, B*T, ...]`` for a dense call with ``dense_as_packed``; any shape).
+    # The backward is called with ``residuals=None`` where the forward returned ``()`` or two empty tensors or was
+    # not asked (under ``torch.compile``, without autograd or an input needing a gradient, and for the recurrent
+    # op: never asked), and must then recompute. False: never asked
     chunk_residuals: bool = False
     # run dense ``[B, T]`` delta-rule calls as a pack of B sequences of T tokens (exact): compiled
     # backends then build one (varlen) kernel variant per flag set instead of two
@@ -134,8 +137,9 @@ def register_backend(backend: Backend) -> None:
         for field in ("chunk_gated_delta_rule", "chunk_gated_delta_rule_bwd"):
             fn = getattr(backend, field)
             if fn is None or not _takes(fn, ("residuals",)):
-                raise TypeError(f"backend {backend.name!r} has chunk_residuals=True, so its {field} must take "
-                                f"residuals= (the tensors its chunk forward keeps for the backward); set "
+                what = "is None: it needs one" if fn is None else "must take residuals="
+                raise TypeError(f"backend {backend.name!r} has chunk_residuals=True, so its {field} {what} "
+                                f"(the tensors its chunk forward keeps for the backward go to it); set "
                                 f"chunk_residuals=False if it does not")
     _BACKENDS[backend.name] = backend
 

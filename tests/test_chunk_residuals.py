@@ -146,21 +146,43 @@ def test_the_layer_trains_through_kept_residuals(keeping):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_a_wrong_number_of_residuals_is_an_error(keeping, monkeypatch):
+@pytest.mark.parametrize("bad,got", [
+    (lambda out: (*out[:2], (torch.zeros(1),)), "residuals tuple of 1"),
+    (lambda out: (*out[:2], (torch.zeros(1),) * 3), "residuals tuple of 3"),
+    (lambda out: (*out[:2], None), "residuals NoneType"),
+    (lambda out: (*out[:2], (torch.zeros(1), None)), "residuals tuple of 2"),
+    (lambda out: (*out[:2], torch.zeros(2, 3)), "residuals Tensor"),     # (not split into two rows)
+    (lambda out: out[:2], "2 values"),                                   # took residuals=, returned none
+])
+def test_residuals_that_are_not_empty_or_a_pair_of_tensors_are_an_error(keeping, monkeypatch, bad, got):
     b = registry.backend_by_name("keeping")
     fwd = b.chunk_gated_delta_rule
     monkeypatch.setitem(registry._BACKENDS, "keeping", dataclasses.replace(
-        b, chunk_gated_delta_rule=lambda *a, **k: (*fwd(*a, **k)[:2], (torch.zeros(1),))))
+        b, chunk_gated_delta_rule=lambda *a, **k: bad(fwd(*a, **k))))
     xs, cu = _inputs(4)
-    with pytest.raises(RuntimeError, match="returned 1 residuals"):
+    with pytest.raises(RuntimeError, match=r"backend 'keeping' has chunk_residuals=True, so its "
+                       r"chunk_gated_delta_rule called with residuals=True must return \(o, final, residuals\) "
+                       r".*; got " + got):
         chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], cu_seqlens=cu, backend="keeping")
+
+
+def test_nothing_is_kept_when_no_input_needs_a_gradient(keeping):
+    """Grad mode on, but nothing to differentiate (a frozen layer's eval pass): not asked."""
+    xs, cu = _inputs(5)
+    out = chunk_gated_delta_rule(*(x.detach() for x in xs[:5]), initial_state=xs[5].detach(), cu_seqlens=cu,
+                                 backend="keeping")
+    assert len(out) == 2 and keeping["asked"] == [False]
+    o, _ = chunk_gated_delta_rule(xs[0].detach(), xs[1].detach(), xs[2], *(x.detach() for x in xs[3:5]),
+                                  initial_state=xs[5].detach(), cu_seqlens=cu, backend="keeping")
+    o.sum().backward()                          # only v needs one: kept, and given back
+    assert keeping["asked"] == [False, True] and keeping["given"][0] is not None
 
 
 def test_chunk_residuals_backends_are_checked_when_registered():
     torch_b = registry.backend_by_name("torch")
     with pytest.raises(TypeError, match="chunk_residuals=True, so its chunk_gated_delta_rule must take residuals="):
         registry.register_backend(dataclasses.replace(torch_b, name="no_res", chunk_residuals=True))
-    with pytest.raises(TypeError, match="chunk_residuals=True, so its chunk_gated_delta_rule_bwd must take"):
+    with pytest.raises(TypeError, match="chunk_residuals=True, so its chunk_gated_delta_rule_bwd is None: it needs one"):
         registry.register_backend(dataclasses.replace(
             torch_b, name="no_res_bwd", chunk_residuals=True,
             chunk_gated_delta_rule=lambda *a, residuals=False, **k: reference.chunk_gated_delta_rule(*a, **k)))
