@@ -151,12 +151,7 @@ def bench_loop(fwdbwd, m, x, n):
             print(f"| {i} | {starts[i].elapsed_time(ends[i]):.3f} | (no GPU range) | | |")
             continue
         a, b = w["ts"], w["ts"] + w["dur"]
-        busy, end = 0.0, a
-        for k in ks:
-            s, e = max(k["ts"], a, end), min(k["ts"] + k["dur"], b)
-            if e > s:
-                busy += e - s
-                end = e
+        busy = busy_in(ks, a, b)
         print(f"| {i} | {starts[i].elapsed_time(ends[i]):.3f} | {(b - a) / 1e3:.3f} | {busy / 1e3:.3f} | "
               f"{(b - a - busy) / 1e3:.3f} |")
 
@@ -174,15 +169,35 @@ def _enclosing(events, at, tid, cats=("cpu_op",)):
                                        and e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: e["ts"])]
 
 
+def timeline(ks):
+    """``(span, busy, gaps)`` of kernels ``ks`` sorted by start (trace events, µs): first start to last end, the
+    union of their intervals, and each idle gap as ``(length, kernel before, kernel after)``."""
+    if not ks:
+        return 0.0, 0.0, []
+    busy, end, gaps, last = 0.0, ks[0]["ts"], [], None
+    for k in ks:
+        if k["ts"] > end:
+            gaps.append((k["ts"] - end, last["name"] if last else "", k["name"]))
+        busy += max(0.0, k["ts"] + k["dur"] - max(end, k["ts"]))
+        if k["ts"] + k["dur"] >= end:
+            end, last = k["ts"] + k["dur"], k
+    return end - ks[0]["ts"], busy, gaps
+
+
+def busy_in(ks, a, b):
+    """The union of kernels ``ks`` (sorted by start) clipped to the window ``[a, b]``."""
+    busy, end = 0.0, a
+    for k in ks:
+        lo, hi = max(k["ts"], end), min(k["ts"] + k["dur"], b)
+        if hi > lo:
+            busy += hi - lo
+            end = hi
+    return busy
+
+
 def print_gaps(events, steps):
     ks = _kernels(events)
-    span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
-    busy, end, gaps = 0.0, ks[0]["ts"], []
-    for prev, k in zip([None] + ks[:-1], ks):
-        if k["ts"] > end:
-            gaps.append((k["ts"] - end, prev["name"] if prev else "", k["name"]))
-        busy += max(0.0, k["ts"] + k["dur"] - max(end, k["ts"]))
-        end = max(end, k["ts"] + k["dur"])
+    span, busy, gaps = timeline(ks)
     print(f"\nGPU span {span / steps / 1e3:.3f} ms per step, busy {busy / steps / 1e3:.3f}, idle "
           f"{(span - busy) / steps / 1e3:.3f} ({len(gaps) / steps:.0f} gaps per step; "
           f"{sum(g for g, *_ in gaps if g > 10) / steps / 1e3:.3f} ms in gaps over 10 us)")

@@ -1,5 +1,5 @@
-"""The GPU profiling scripts' timeline arithmetic (scripts/profile_sp.py, scripts/profile_finetune.py) on
-hand-made traces, and bench_host_cost.py's attribution of host time to packages (on the CPU): the numbers
+"""The GPU profiling scripts' timeline arithmetic (scripts/profile_sp.py, scripts/profile_finetune.py,
+scripts/profile_layer.py's --gaps / --loop / --why) on hand-made traces, and bench_host_cost.py's attribution of host time to packages (on the CPU): the numbers
 they report in docs/performance.md come from these functions."""
 import json
 import random
@@ -194,3 +194,53 @@ def test_gpu_session_refuses_a_machine_without_cuda_by_name():
                        timeout=60)
     assert p.returncode == 1 and "needs a CUDA GPU (none is visible)" in p.stderr, (p.returncode, p.stderr[-2000:])
     assert p.stdout == "", p.stdout[-2000:]
+
+
+def _kernel_events(rnd, n):
+    ks = []
+    for _ in range(n):
+        s = rnd.randint(0, 400)
+        ks.append({"ph": "X", "cat": "kernel", "name": f"k{s}", "ts": s, "dur": rnd.randint(1, 40)})
+    return sorted(ks, key=lambda k: k["ts"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_profile_layer_timeline_and_window_match_a_brute_force_count(seed):
+    """profile_layer.py's GPU span / busy / idle gaps (--gaps) and the busy time in a step's window (--loop),
+    against counting covered microseconds one by one, on overlapping, nested and separated kernels."""
+    import profile_layer
+    rnd = random.Random(seed)
+    ks = _kernel_events(rnd, 15)
+    span, busy, gaps = profile_layer.timeline(ks)
+    covered = {t for k in ks for t in range(k["ts"], k["ts"] + k["dur"])}
+    assert busy == len(covered)
+    assert span == max(k["ts"] + k["dur"] for k in ks) - ks[0]["ts"]
+    assert sum(g for g, *_ in gaps) == span - busy
+    assert all(g > 0 and after in {k["name"] for k in ks} for g, _, after in gaps)
+    a = rnd.randint(0, 200)
+    b = a + rnd.randint(1, 250)
+    assert profile_layer.busy_in(ks, a, b) == len({t for t in covered if a <= t < b})
+    assert profile_layer.timeline([]) == (0.0, 0.0, [])
+
+
+def test_profile_layer_names_the_op_and_frames_that_launched_a_kernel(capsys):
+    """--why: a kernel is attributed, through its launch's correlation id, to the aten ops and the project's
+    Python frames around the launch (innermost last), with its time per step."""
+    import profile_layer
+    ev = [
+        {"ph": "X", "cat": "kernel", "name": "Memcpy DtoD", "ts": 100, "dur": 40, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 150, "dur": 40, "args": {"correlation": 8}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 10, "dur": 2, "tid": 1,
+         "args": {"correlation": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 30, "dur": 2, "tid": 1,
+         "args": {"correlation": 8}},
+        {"ph": "X", "cat": "cpu_op", "name": "PowBackward0", "ts": 5, "dur": 20, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 8, "dur": 10, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 28, "dur": 10, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "/x/gdn_layer/layer.py(9): forward", "ts": 0, "dur": 50, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "/usr/lib/other.py(1): f", "ts": 1, "dur": 40, "tid": 1},
+    ]
+    profile_layer.print_why(ev, "Memcpy", steps=2)
+    out = capsys.readouterr().out
+    assert "20.0  Memcpy DtoD" in out and "ops: PowBackward0 > aten::copy_" in out
+    assert "gdn_layer/layer.py(9): forward" in out and "other.py" not in out and "gemm" not in out
