@@ -1,6 +1,7 @@
 """The GPU profiling scripts' timeline arithmetic (scripts/profile_sp.py, scripts/profile_finetune.py,
-scripts/profile_layer.py's --gaps / --loop / --why) on hand-made traces, and bench_host_cost.py's attribution of host time to packages (on the CPU): the numbers
-they report in docs/performance.md come from these functions."""
+scripts/profile_layer.py's --gaps / --loop / --why) on hand-made traces, and bench_host_cost.py's attribution
+of host time to packages (on the CPU): the numbers they report in docs/performance.md come from these
+functions."""
 import json
 import random
 import sys
