@@ -9,7 +9,7 @@ What a forward+backward is (``--grad``): ``output`` (the default) times the laye
 ``y.backward(dy)`` with a random bf16 ``dy`` drawn once, the input's and parameters' gradients set to None
 before each timed call (``do_bench(grad_to_none=...)``, as after ``zero_grad()``). ``loss`` is the
 measurement of sessions 1-20: ``y.float().square().mean().backward()``, gradients accumulating across calls,
-which adds the same ≈ 1.4 ms of fp32 loss kernels and gradient sums to both layers at T = 32k (profile of
+which adds the same ≈ 1.2 ms of fp32 loss kernels and gradient sums to both layers at T = 32k (profile of
 session 21, docs/performance.md).
 
     python examples/bench_vs_fla.py --backend fla --T 32768 --docs 9

@@ -129,7 +129,8 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             n = q.shape[0] if cu is None else cu.numel() - 1
             final = h0.clone() if h0 is not None else torch.zeros(n, v.shape[2], q.shape[-1], v.shape[-1],
                                                                   device=v.device)
-        return (v.new_zeros(v.shape), final, *(((),) if residuals else ()))
+        out = v.new_zeros(v.shape), final
+        return (*out, ()) if residuals else out
     c = _compact(cu)
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     g_cum, A, o, _, final, _ = chunk_gated_delta_rule_fwd(

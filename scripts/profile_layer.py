@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # requires
+from profile_sp import intersect_len, union  # noqa: E402  (the interval arithmetic of the SP profile)
 
 
 def main():
@@ -85,10 +86,7 @@ def main():
             torch.cuda.synchronize()
         events = None
         if trace:
-            with tempfile.TemporaryDirectory() as d:
-                prof.export_chrome_trace(os.path.join(d, "t.json"))
-                with open(os.path.join(d, "t.json")) as f:
-                    events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+            events = _trace_events(prof)
             per = collections.defaultdict(lambda: [0.0, 0])
             for k in _kernels(events):
                 per[k["name"]][0] += k["dur"]
@@ -105,7 +103,7 @@ def main():
         for key, ms, n in rows[:args.top]:
             print(f"| {ms:.3f} | {n} | {key[:90]} |")
         if args.loop:
-            bench_loop(fwdbwd, m, x, args.loop)
+            bench_loop(fwdbwd, args.loop)
         if trace:
             if args.gaps:
                 print_gaps(events, args.steps)
@@ -113,17 +111,15 @@ def main():
                 print_why(events, args.why, args.steps)
 
 
-def bench_loop(fwdbwd, m, x, n):
+def bench_loop(fwdbwd, n):
     """``n`` steps as ``do_bench`` runs them, profiled: where its time per step differs from the kernels' sum."""
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
     starts, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in range(2))
 
-    def loop():
+    def loop():   # (fwdbwd sets the gradients to None itself, as do_bench's grad_to_none in bench_vs_fla.py)
         torch.cuda.synchronize()
         fwdbwd()                                    # do_bench's warm-up call
         for i in range(n):
-            for t in (x, *m.parameters()):
-                t.grad = None
             cache.zero_()
             starts[i].record()
             with torch.profiler.record_function(f"bench_step_{i}"):
@@ -136,10 +132,7 @@ def bench_loop(fwdbwd, m, x, n):
           f"max {plain[-1]:.3f}")
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         loop()
-    with tempfile.TemporaryDirectory() as d:
-        prof.export_chrome_trace(os.path.join(d, "t.json"))
-        with open(os.path.join(d, "t.json")) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    events = _trace_events(prof)
     ks = _kernels(events)
     windows = {e["name"]: e for e in events if e.get("cat") == "gpu_user_annotation"
                and e["name"].startswith("bench_step_")}
@@ -159,6 +152,14 @@ def bench_loop(fwdbwd, m, x, n):
 _SYNCS = re.compile(r"cuda(Stream|Device|Event)Synchronize|cudaMemcpy$")
 
 
+def _trace_events(prof):
+    """The complete ("X") events of a finished profile, from its Chrome trace."""
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(os.path.join(d, "t.json"))
+        with open(os.path.join(d, "t.json")) as f:
+            return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
 def _kernels(events):
     return sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
 
@@ -169,30 +170,27 @@ def _enclosing(events, at, tid, cats=("cpu_op",)):
                                        and e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: e["ts"])]
 
 
+def _intervals(ks):
+    return [(k["ts"], k["ts"] + k["dur"]) for k in ks]
+
+
 def timeline(ks):
     """``(span, busy, gaps)`` of kernels ``ks`` sorted by start (trace events, µs): first start to last end, the
     union of their intervals, and each idle gap as ``(length, kernel before, kernel after)``."""
     if not ks:
         return 0.0, 0.0, []
-    busy, end, gaps, last = 0.0, ks[0]["ts"], [], None
+    end, gaps, last = ks[0]["ts"], [], None
     for k in ks:
         if k["ts"] > end:
             gaps.append((k["ts"] - end, last["name"] if last else "", k["name"]))
-        busy += max(0.0, k["ts"] + k["dur"] - max(end, k["ts"]))
         if k["ts"] + k["dur"] >= end:
             end, last = k["ts"] + k["dur"], k
-    return end - ks[0]["ts"], busy, gaps
+    return end - ks[0]["ts"], union(_intervals(ks)), gaps
 
 
 def busy_in(ks, a, b):
-    """The union of kernels ``ks`` (sorted by start) clipped to the window ``[a, b]``."""
-    busy, end = 0.0, a
-    for k in ks:
-        lo, hi = max(k["ts"], end), min(k["ts"] + k["dur"], b)
-        if hi > lo:
-            busy += hi - lo
-            end = hi
-    return busy
+    """The union of kernels ``ks`` clipped to the window ``[a, b]``."""
+    return intersect_len(_intervals(ks), [(a, b)])
 
 
 def print_gaps(events, steps):
