@@ -62,6 +62,8 @@ def test_backward_builds_no_zero_filled_parameter_gradients(alloc_only_backend, 
     assert conv_ops(alloc_only_backend)[1] in backward.names
     assert not ZERO_FILLS & set(forward.names), sorted(ZERO_FILLS & set(forward.names))
     assert not ZERO_FILLS & set(backward.names), sorted(ZERO_FILLS & set(backward.names))
+    # x feeds two projections: its gradient is summed inside their backward's GEMMs, not by an extra add
+    assert "aten::add" not in backward.names and "aten::addmm_" in backward.names, backward.names
 
 
 def test_one_layer_call_is_its_custom_ops_and_counted_by_the_benchmark(alloc_only_backend, monkeypatch, capsys):
