@@ -21,6 +21,7 @@ import random
 import re
 import sys
 import tempfile
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -115,38 +116,64 @@ def bench_loop(fwdbwd, n):
     """``n`` steps as ``do_bench`` runs them, profiled: where its time per step differs from the kernels' sum."""
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
     starts, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in range(2))
+    host = []
 
     def loop():   # (fwdbwd sets the gradients to None itself, as do_bench's grad_to_none in bench_vs_fla.py)
         torch.cuda.synchronize()
         fwdbwd()                                    # do_bench's warm-up call
+        host.clear()
         for i in range(n):
-            cache.zero_()
+            with torch.profiler.record_function(f"bench_clear_{i}"):
+                cache.zero_()                       # (its kernel marks where step i starts on the GPU)
             starts[i].record()
-            with torch.profiler.record_function(f"bench_step_{i}"):
-                fwdbwd()
+            t0 = time.perf_counter()
+            fwdbwd()
+            host.append((time.perf_counter() - t0) * 1e3)
             ends[i].record()
         torch.cuda.synchronize()
     loop()
     plain = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     print(f"\n{n} steps as do_bench runs them, not profiled: median {plain[n // 2]:.3f} ms, min {plain[0]:.3f}, "
-          f"max {plain[-1]:.3f}")
+          f"max {plain[-1]:.3f}; the host's time to issue a step: median {sorted(host)[n // 2]:.3f} ms, min "
+          f"{min(host):.3f}, max {max(host):.3f}")
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         loop()
-    events = _trace_events(prof)
+    print_loop(_trace_events(prof), [s.elapsed_time(e) for s, e in zip(starts, ends)], host)
+
+
+def step_windows(events, n):
+    """Per step i, the GPU window ``(a, b)`` from the end of the L2 clear before it (``bench_clear_i``'s kernel)
+    to the start of the next clear (the last: to the end of the last kernel); None where a clear is missing."""
+    clears = {e["name"]: e for e in events if e.get("cat") == "gpu_user_annotation"
+              and e["name"].startswith("bench_clear_")}
     ks = _kernels(events)
-    windows = {e["name"]: e for e in events if e.get("cat") == "gpu_user_annotation"
-               and e["name"].startswith("bench_step_")}
-    print("profiled (the GPU window: first to last kernel of the step; events - window = the wait for the first "
-          "kernel and after the last)\n| step | events ms | GPU window ms | busy ms | idle ms |\n|---|---|---|---|---|")
+    last = max((k["ts"] + k["dur"] for k in ks), default=0)
+    out = []
     for i in range(n):
-        w = windows.get(f"bench_step_{i}")
+        c, nxt = clears.get(f"bench_clear_{i}"), clears.get(f"bench_clear_{i + 1}")
+        out.append(None if c is None else (c["ts"] + c["dur"], nxt["ts"] if nxt is not None else last))
+    return out
+
+
+def print_loop(events, event_ms, host_ms):
+    """The profiled loop's table: per step the CUDA events' time, the GPU window (``step_windows``), its busy
+    and idle time, and its largest idle gap with the kernels on either side."""
+    ks = _kernels(events)
+    print("profiled (GPU window: from the end of the step's L2 clear to the next clear; the events' time adds the "
+          "wait for the step's first kernel)\n| step | events ms | host ms | GPU window ms | busy ms | idle ms | "
+          "largest gap us: after -> before |\n|---|---|---|---|---|---|---|")
+    for i, w in enumerate(step_windows(events, len(event_ms))):
         if w is None:
-            print(f"| {i} | {starts[i].elapsed_time(ends[i]):.3f} | (no GPU range) | | |")
+            print(f"| {i} | {event_ms[i]:.3f} | {host_ms[i]:.3f} | (no clear kernel found) | | | |")
             continue
-        a, b = w["ts"], w["ts"] + w["dur"]
+        a, b = w
+        inside = [k for k in ks if k["ts"] < b and k["ts"] + k["dur"] > a]
         busy = busy_in(ks, a, b)
-        print(f"| {i} | {starts[i].elapsed_time(ends[i]):.3f} | {(b - a) / 1e3:.3f} | {busy / 1e3:.3f} | "
-              f"{(b - a - busy) / 1e3:.3f} |")
+        ends = [{"ts": a, "dur": 0, "name": "(L2 clear)"}, {"ts": b, "dur": 0, "name": "(next clear)"}]
+        gaps = timeline(sorted(inside + ends, key=lambda k: k["ts"]))[2]
+        g = max(gaps, default=(0.0, "", ""))
+        print(f"| {i} | {event_ms[i]:.3f} | {host_ms[i]:.3f} | {(b - a) / 1e3:.3f} | {busy / 1e3:.3f} | "
+              f"{(b - a - busy) / 1e3:.3f} | {g[0]:.0f}: {g[1][:40]} -> {g[2][:40]} |")
 
 
 _SYNCS = re.compile(r"cuda(Stream|Device|Event)Synchronize|cudaMemcpy$")

@@ -224,6 +224,26 @@ def test_profile_layer_timeline_and_window_match_a_brute_force_count(seed):
     assert profile_layer.timeline([]) == (0.0, 0.0, [])
 
 
+def test_profile_layer_loop_windows_run_from_clear_to_clear(capsys):
+    """--loop: step i's GPU window runs from the end of its L2 clear's kernel to the start of the next clear (the
+    last to the last kernel), so kernels launched from autograd's thread count too; the idle time includes the
+    wait before the first kernel, and the largest gap is named by its neighbours."""
+    import profile_layer
+    k = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}   # noqa: E731
+    ann = lambda name, ts, dur: {"ph": "X", "cat": "gpu_user_annotation", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    ev = [k("clear", 0, 10), ann("bench_clear_0", 0, 10), k("fwd", 30, 20), k("bwd", 55, 40),
+          k("clear", 100, 10), ann("bench_clear_1", 100, 10), k("fwd", 110, 20), k("bwd", 130, 30),
+          ann("bench_step_0", 30, 20)]   # (a record_function range: not a window, the clears are)
+    assert profile_layer.step_windows(ev, 2) == [(10, 100), (110, 160)]
+    assert profile_layer.step_windows(ev, 3)[2] is None
+    profile_layer.print_loop(ev, [0.1, 0.05], [1.0, 2.0])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")]
+    # step 0: window 90 us, busy 20 + 40, idle 30 (20 before fwd, 5 between, 5 to the next clear)
+    assert rows[0].split(" | ")[3:6] == ["0.090", "0.060", "0.030"], rows[0]
+    assert "20: (L2 clear) -> fwd" in rows[0]
+    assert rows[1].split(" | ")[3:6] == ["0.050", "0.050", "0.000"], rows[1]
+
+
 def test_profile_layer_names_the_op_and_frames_that_launched_a_kernel(capsys):
     """--why: a kernel is attributed, through its launch's correlation id, to the aten ops and the project's
     Python frames around the launch (innermost last), with its time per step."""
