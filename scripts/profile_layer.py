@@ -159,6 +159,13 @@ def print_loop(events, event_ms, host_ms):
     """The profiled loop's table: per step the CUDA events' time, the GPU window (``step_windows``), its busy
     and idle time, and its largest idle gap with the kernels on either side."""
     ks = _kernels(events)
+    windows = [w for w in step_windows(events, len(event_ms)) if w is not None]
+    per = collections.Counter()
+    for k in ks:
+        if any(a <= k["ts"] < b for a, b in windows):
+            per[k["name"]] += k["dur"]
+    print(f"kernels in the {len(windows)} windows, us per step: " + "; ".join(
+        f"{n[:48]} {us / max(len(windows), 1):.0f}" for n, us in per.most_common(24)))
     print("profiled (GPU window: from the end of the step's L2 clear to the next clear; the events' time adds the "
           "wait for the step's first kernel)\n| step | events ms | host ms | GPU window ms | busy ms | idle ms | "
           "largest gap us: after -> before |\n|---|---|---|---|---|---|---|")

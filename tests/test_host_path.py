@@ -109,3 +109,37 @@ def test_ops_skip_the_custom_op_wrappers(alloc_only_backend):
             sys.setprofile(None)
     assert not seen, sorted(set(seen))
     assert "gdn_layer::conv_gate" in log.names and "gdn_layer::conv_gate_bwd" in log.names
+
+
+def test_launchers_do_not_call_tritons_constexpr_helpers_on_the_host(monkeypatch):
+    """``triton.cdiv`` / ``triton.next_power_of_2`` are ``constexpr_function`` wrappers (Triton >= 3.5, about 3 µs
+    per host call; ~45 calls per layer step on the conv alone): our launchers size their grids and blocks with
+    ``kernels/triton/_grid.py``'s plain ``cdiv`` / ``next_power_of_2`` instead. Every launcher runs here (the
+    interpreter) with both wrappers made to raise."""
+    import triton
+
+    from gdn_layer.kernels import triton_ops
+
+    def refuse(*a, **k):
+        raise AssertionError("a launcher called triton's host-side constexpr helper")
+    monkeypatch.setattr(triton, "cdiv", refuse)
+    monkeypatch.setattr(triton, "next_power_of_2", refuse)
+    torch.manual_seed(5)
+    B, T, Hk, Hv, D, W = 1, 12, 2, 4, 16, 4
+    cu = torch.tensor([0, 5, 12])
+    x = torch.randn(B, T, Hk * D)
+    w = torch.randn(Hk * D, W)
+    y, fin, rstd = triton_ops.conv_fwd(x, w, None, "silu", cu, None, True, l2norm_dim=D)
+    triton_ops.conv_bwd(torch.randn_like(y), torch.randn_like(fin), x, w, None, "silu", cu, None,
+                        l2norm_out=(y, rstd))
+    h0 = torch.randn(2, Hk * D, W - 1)
+    y, fin = triton_ops.conv_fwd(x, w, torch.randn(Hk * D), "silu", cu, h0, True)
+    triton_ops.conv_bwd(torch.randn_like(y), torch.randn_like(fin), x, w, torch.randn(Hk * D), "silu", cu, h0)
+    a, b, A_log, dt_bias = torch.randn(B, T, Hv), torch.randn(B, T, Hv), torch.randn(Hv), torch.randn(Hv)
+    g, beta = triton_ops.gate_fwd(a, b, A_log, dt_bias)
+    triton_ops.gate_bwd(torch.randn_like(g), torch.randn_like(beta), a, b, A_log, dt_bias)
+    o, z, nw = torch.randn(B, T, Hv, D), torch.randn(B, T, Hv, D), torch.randn(D)
+    triton_ops.norm_fwd(o, z, nw)
+    triton_ops.norm_bwd(torch.randn_like(o), o, z, nw)
+    q, k = torch.randn(B, T, Hk, D), torch.randn(B, T, Hk, D)
+    triton_ops.l2norm_qk_bwd(q, k, *triton_ops.l2norm_qk_fwd(q, k))

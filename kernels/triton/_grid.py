@@ -27,6 +27,17 @@ def programs(tiles: int, other_axes: int = 1, cap: int = MAX_PROGRAMS) -> int:
     return min(tiles, MAX_PROGRAMS // other_axes, -(-max(1, min(cap, MAX_PROGRAMS)) // other_axes))
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the launchers' host code (``triton.cdiv`` is a ``constexpr_function`` since Triton 3.5:
+    its wrapper costs about 3 µs per host call, some 45 calls per layer step on the conv alone)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n = 0), as ``triton.next_power_of_2`` without its wrapper."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def on_cuda(x) -> bool:
     """Whether ``x`` is on a CUDA device. The launchers' CUDA-only kernel variants (the gated norm's hardware
     rounding, the conv's pipelined dz pass) ask this one function, read as ``_grid.on_cuda``, so that the

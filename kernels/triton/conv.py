@@ -48,7 +48,7 @@ import triton.language as tl
 
 from .. import cu_cache, reference
 from . import _grid
-from ._grid import programs
+from ._grid import cdiv, next_power_of_2, programs
 from ._layout import narrow_offsets, out_buffer, row_strides, rows_align
 from .l2norm import EPS as L2NORM_EPS
 from .l2norm import l2norm_bwd_from_output
@@ -99,12 +99,12 @@ FWD_NUM_STAGES = DX_NUM_STAGES = 1
 
 
 def _block_c(C: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(C)))
+    return min(64, max(16, next_power_of_2(C)))
 
 
 def _plain_block_c(C: int) -> int:
     """Channel block of the plain forward and of the dx pass (``PLAIN_BLOCK_T`` tokens)."""
-    return min(128, max(16, triton.next_power_of_2(C)))
+    return min(128, max(16, next_power_of_2(C)))
 
 
 def _dz_block_c(C: int) -> int:
@@ -667,11 +667,11 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
     rstd = torch.empty(B, T, C // l2_d, dtype=dt, device=x.device) if l2_d else None
     sin = _strides3(initial_state)
     block_c = _block_c(C)
-    n_cb = triton.cdiv(C, block_c)
+    n_cb = cdiv(C, block_c)
     if B * T > 0 and C > 0:
         tile_t, tile_c = _tile_shape(C, bias is None and initial_state is None)
         assert tile_c % max(l2_d, 1) == 0   # (_l2norm_fused: whole heads per channel block)
-        n_tiles, n_tcb = triton.cdiv(T, tile_t) * B, triton.cdiv(C, tile_c)
+        n_tiles, n_tcb = cdiv(T, tile_t) * B, cdiv(C, tile_c)
         y_parts, parts = _as_parts(y, C)
         _conv_fwd_kernel[(programs(n_tiles, n_tcb, FWD_PROGRAMS), n_tcb)](
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
@@ -689,7 +689,7 @@ def causal_conv1d_fwd(x, weight, bias, cu, initial_state, activation, output_fin
                 x, dummy if initial_state is None else initial_state, dummy if cu is None else cu, final,
                 T, N, C, x.stride(0), x.stride(1), x.stride(2), *sin,
                 W=W, HAS_INIT=initial_state is not None, IS_VARLEN=cu is not None, ACC=acc,
-                BLOCK_K=triton.next_power_of_2(W - 1), BLOCK_C=block_c)
+                BLOCK_K=next_power_of_2(W - 1), BLOCK_C=block_c)
     return (y, final) if not l2_d else (y, final, rstd)
 
 
@@ -726,12 +726,12 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     block_c, dz_block_c = _block_c(C), _dz_block_c(C)
     # the dx pass on the plain forward's tile; with dfinal on the other (16 x 128 spills 8 bytes there, 32 x 64 not)
     dx_block_t, dx_block_c = _tile_shape(C, dfinal is None)
-    n_cb, dz_n_cb, dx_n_cb = triton.cdiv(C, block_c), triton.cdiv(C, dz_block_c), triton.cdiv(C, dx_block_c)
+    n_cb, dz_n_cb, dx_n_cb = cdiv(C, block_c), cdiv(C, dz_block_c), cdiv(C, dx_block_c)
     plain = bias is None and initial_state is None     # the layer's conv in training: its own dz-pass settings
     dz_block_t = DZ_BLOCK_T_PLAIN if plain else DZ_BLOCK_T
     dz_stages = _stages(DZ_NUM_STAGES_PLAIN, x, W) if plain else DZ_NUM_STAGES
     dz_programs = DZ_PROGRAMS_PLAIN if plain else DZ_PROGRAMS
-    n_tiles, dz_n_tiles = triton.cdiv(T, dx_block_t) * B, triton.cdiv(T, dz_block_t) * B
+    n_tiles, dz_n_tiles = cdiv(T, dx_block_t) * B, cdiv(T, dz_block_t) * B
     # the dz pass reduces its dweight / dbias sums once per program: at most about DZ_PROGRAMS(_PLAIN) programs
     # (each taking several tiles at long T), the dx pass one tile per program where the grid allows
     n_prog = programs(dz_n_tiles, dz_n_cb, dz_programs) if C > 0 else 0
@@ -756,7 +756,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             T, dz_n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
             0 if bias is None else bias.stride(0), *sin,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
-            BLOCK_C=dz_block_c, BLOCK_W=triton.next_power_of_2(W), PARTS=parts, X_ALIGN=rows_align([x], 2),
+            BLOCK_C=dz_block_c, BLOCK_W=next_power_of_2(W), PARTS=parts, X_ALIGN=rows_align([x], 2),
             DY_ALIGN=rows_align(dy_parts[:3], 2), STAGES=dz_stages, num_warps=DZ_NUM_WARPS, **flags)
         _conv_dx_kernel[(programs(n_tiles, dx_n_cb, DX_PROGRAMS), dx_n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
@@ -772,7 +772,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
                 T, N, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
                 0 if bias is None else bias.stride(0), *sin, *sdf,
                 HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None, SILU=silu,
-                BLOCK_K=triton.next_power_of_2(W - 1), BLOCK_C=block_c, PARTS=parts, num_warps=NUM_WARPS, **flags)
+                BLOCK_K=next_power_of_2(W - 1), BLOCK_C=block_c, PARTS=parts, num_warps=NUM_WARPS, **flags)
     dweight = dw_part.sum(0).to(weight.dtype)
     dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
     return dx, dweight, dbias, dinit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._grid import programs
+from ._grid import cdiv, next_power_of_2, programs
 from ._layout import out_buffer, unit_last
 from ._math import cast_rne, compute_tl_dtype, rne, sigmoid, softplus
 
@@ -29,7 +29,7 @@ _NUM_WARPS = 4
 
 
 def _blocks(H: int) -> tuple[int, int]:
-    BLOCK_H = triton.next_power_of_2(max(H, 1))
+    BLOCK_H = next_power_of_2(max(H, 1))
     return max(1, _TILE // BLOCK_H), BLOCK_H
 
 
@@ -144,7 +144,7 @@ def gdn_gate_fwd(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias:
     if N == 0 or H == 0:
         return g, beta
     BLOCK_T, BLOCK_H = _blocks(H)
-    _gate_fwd_kernel[(programs(triton.cdiv(N, BLOCK_T)),)](
+    _gate_fwd_kernel[(programs(cdiv(N, BLOCK_T)),)](
         a, b, A_log, dt_bias, g, beta, T, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         H=H, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, G_DTYPE=g_dt, BETA_DTYPE=beta_dt, num_warps=_NUM_WARPS)
     return g, beta
@@ -172,7 +172,7 @@ def gdn_gate_bwd(dg, dbeta, a, b, A_log, dt_bias, da=None, db=None):
     da, db = out_buffer(da, a, "da"), out_buffer(db, b, "db")
     N = B * T
     BLOCK_T, BLOCK_H = _blocks(H)
-    NB = min(triton.cdiv(N, BLOCK_T), _MAX_PROGRAMS) if H > 0 else 0   # (no heads: nothing to launch)
+    NB = min(cdiv(N, BLOCK_T), _MAX_PROGRAMS) if H > 0 else 0   # (no heads: nothing to launch)
     dA_part = torch.empty(NB, H, dtype=acc_dtype, device=a.device)
     dbias_part = torch.empty(NB, H, dtype=acc_dtype, device=a.device)
     if NB > 0:

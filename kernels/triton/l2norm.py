@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from ._grid import programs
+from ._grid import cdiv, next_power_of_2, programs
 from ._layout import row_strides, rows_align, unit_last
 
 EPS = reference.L2NORM_EPS
@@ -107,7 +107,7 @@ def _l2norm_bwd_from_output_kernel(y, rstd, dy, dx, M, D: tl.constexpr, BD: tl.c
 
 def _launch_args(x: torch.Tensor):
     B, T, H, D = x.shape
-    return B * T * H, T, H, D, triton.next_power_of_2(D)
+    return B * T * H, T, H, D, next_power_of_2(D)
 
 
 def _torch_fwd(x, eps):
@@ -144,8 +144,8 @@ def l2norm_bwd_from_output(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor
     dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     M = rstd.numel()
     if M:
-        _l2norm_bwd_from_output_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
-            y, rstd, dy, dx, M, D=D, BD=triton.next_power_of_2(D), BLOCK=BLOCK_M)
+        _l2norm_bwd_from_output_kernel[(programs(cdiv(M, BLOCK_M)),)](
+            y, rstd, dy, dx, M, D=D, BD=next_power_of_2(D), BLOCK=BLOCK_M)
     return dx
 
 
@@ -162,7 +162,7 @@ def l2norm_pair_fwd(q: torch.Tensor, k: torch.Tensor | None, eps: float = EPS):
     yq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     yk = yq if k is None else torch.empty(k2.shape, dtype=k2.dtype, device=k2.device)
     if M:
-        _l2norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
+        _l2norm_fwd_kernel[(programs(cdiv(M, BLOCK_M)),)](
             q, yq, k2, yk, M, T, H, *row_strides(q, 3), *row_strides(k2, 3), eps, D=D, BD=BD,
             BLOCK=BLOCK_M, PAIR=k is not None, ALIGN=rows_align([q, k2], 3))
     return yq, (None if k is None else yk)
@@ -183,7 +183,7 @@ def l2norm_pair_bwd(q: torch.Tensor, dq: torch.Tensor, k: torch.Tensor | None, d
     dxq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dxk = dxq if k is None else torch.empty(k2.shape, dtype=k2.dtype, device=k2.device)
     if M:
-        _l2norm_bwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
+        _l2norm_bwd_kernel[(programs(cdiv(M, BLOCK_M)),)](
             q, dq, dxq, k2, dk2, dxk, M, T, H, *row_strides(q, 3), *row_strides(k2, 3), eps, D=D, BD=BD,
             BLOCK=BLOCK_M, PAIR=k is not None, ALIGN=rows_align([q, k2], 3))
     return dxq, (None if k is None else dxk)

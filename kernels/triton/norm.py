@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import _grid
-from ._grid import programs
+from ._grid import cdiv, next_power_of_2, programs
 from ._layout import row_align, unit_last
 from ._math import compute_tl_dtype, rne_by, sigmoid, tl_dtype
 
@@ -45,7 +45,7 @@ _MAX_PROGRAMS = 1024
 
 
 def _blocks(D: int, tile: int, num_warps: int | None) -> tuple[int, int, int]:
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_D = next_power_of_2(D)
     return max(1, tile // BLOCK_D), BLOCK_D, num_warps or (4 if BLOCK_D <= 256 else 8)
 
 
@@ -197,7 +197,7 @@ def gated_rms_norm_fwd(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     x2, z2 = _rows(x, D), _rows(z, D)
     BLOCK_M, BLOCK_D, num_warps = _blocks(D, _TILE, _NUM_WARPS)
     align, strides = _rows_align(D, x2, z2)
-    _norm_fwd_kernel[(programs(triton.cdiv(M, BLOCK_M)),)](
+    _norm_fwd_kernel[(programs(cdiv(M, BLOCK_M)),)](
         x2, z2, weight.contiguous(), y, rstd, M, *strides, float(eps),
         D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, C_DTYPE=c_dt, P_DTYPE=p_dt, ALIGN=align, HW_RNE=_hw_rne(x),
         num_warps=num_warps)
@@ -227,7 +227,7 @@ def gated_rms_norm_bwd(dy, x, z, weight, rstd, eps):
     dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     M = x.numel() // D
     BLOCK_M, BLOCK_D, num_warps = _blocks(D, _TILE_BWD, _NUM_WARPS_BWD)
-    NB = min(triton.cdiv(M, BLOCK_M), _MAX_PROGRAMS)
+    NB = min(cdiv(M, BLOCK_M), _MAX_PROGRAMS)
     dw_part = torch.empty(NB, D, dtype=acc_dtype, device=x.device)
     if NB > 0:
         x2, z2, dy2 = _rows(x, D), _rows(z, D), _rows(dy, D)
