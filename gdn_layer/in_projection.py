@@ -1,10 +1,17 @@
-"""The split layout's two input projections of one ``x`` with one input gradient (issue 23, item 4).
+"""The split layout's two input projections of one ``x`` with one input gradient.
 
-``mixed = x W_m^T`` (``[q | k | v | a | b]``) and ``z = x W_z^T`` both read the layer's input. Through two
-``F.linear`` calls autograd adds their two input gradients in a separate elementwise pass over ``[T, hidden]``
-(0.09 ms per step at Qwen3-Next's shape, T = 32 768, on an H200: an ``aten::add`` under ``ViewBackward0``);
-here the second GEMM accumulates into the first one's output instead (``addmm_``, beta = 1 in cuBLAS's
-epilogue), and the weights' gradients are the same two GEMMs as ``F.linear``'s.
+``mixed = x W_m^T`` (``[q | k | v | a | b]``, ``W_m`` the concatenated ``in_proj_qkv``, ``in_proj_a``,
+``in_proj_b`` weights) and ``z = x W_z^T`` both read the layer's input. Through two ``F.linear`` calls autograd
+adds their two input gradients in a separate elementwise pass over ``[T, hidden]`` (0.09 ms per step at
+Qwen3-Next's shape, T = 32 768, on an H200: an ``aten::add`` under ``ViewBackward0``); here the second GEMM
+accumulates into the first one's output instead (``addmm_``, beta = 1 in cuBLAS's epilogue), and the weights'
+gradients are the same two GEMMs as ``F.linear``'s. In an autograd graph or a profile it is one node,
+``_TwoProjectionsBackward``, running ``mm`` then ``addmm_`` for dx and one ``mm`` per weight.
+
+The layer (``GatedDeltaNet._project``) uses it for ``projection_layout="split"`` without SP when all four
+projections are plain bias-free ``nn.Linear`` modules (no hook, wrapper or replaced forward: those are called as
+modules) of one dtype and device; ``two_projections`` itself then falls back to two ``F.linear`` calls in the
+cases its docstring lists.
 """
 from __future__ import annotations
 

@@ -265,16 +265,19 @@ def measure(layer, T, docs, iters, prof_iters, same_cu, top, cprofile=0, breakdo
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768])
-    ap.add_argument("--docs", type=int, default=9)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--prof-iters", type=int, default=5)
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--backend", default="auto", help="the layer's backend (ours)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                    help="layer shapes: ft (fine-tune example) and / or qwen3next")
+    ap.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768], help="packed tokens per call")
+    ap.add_argument("--docs", type=int, default=9, help="random documents per pack")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls for host_ms and wall_ms (medians)")
+    ap.add_argument("--prof-iters", type=int, default=5, help="profiled calls for launches and gpu_ms")
     ap.add_argument("--same-cu", action="store_true", help="one cu_seqlens tensor for every call")
-    ap.add_argument("--top", type=int, default=0)
+    ap.add_argument("--top", type=int, default=0, help="also print the N host ops with the largest self CPU time "
+                    "and the N most launched kernels (first shape and length)")
     ap.add_argument("--cprofile", type=int, default=0, help="also run this many calls of the first shape and "
                     "length under cProfile and print the top Python functions")
     ap.add_argument("--breakdown", action="store_true", help="also print the host time inside each backend "

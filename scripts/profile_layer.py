@@ -12,6 +12,16 @@ last one's end, less the kernels' union), the largest idle gaps with the kernels
 synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, device-to-host
 copies) with the aten ops they ran in. ``--why PATTERN``: for each kernel whose name matches the regular
 expression, the aten ops and Python frames that launched it (one line per distinct origin, with its time).
+
+``--loop N``: N more steps as ``triton.testing.do_bench`` times them in examples/bench_vs_fla.py (a 256 MB L2 clear
+before each, CUDA events around it), run twice. Unprofiled: the events' median / min / max ms per step, and the
+host's time to issue a step (``fwdbwd()`` called until it returns, no sync). Profiled, one row per step: the events'
+ms and the host ms of that run (the profiler slows the host), the GPU window (from the end of the step's L2-clear
+kernel to the start of the next clear: it holds the backward's kernels, which autograd's thread launches), the
+kernels' busy time and the idle time inside it, and its largest idle gap with the kernels on either side; before the
+table, each kernel's time per step inside the windows and their total (compare with the back-to-back table above).
+With ``--grad output`` (default) each step sets the gradients to None first, as do_bench's ``grad_to_none``; with
+``--grad loss`` they accumulate, as in sessions 1-20.
 """
 import argparse
 import collections
@@ -45,8 +55,9 @@ def main():
     ap.add_argument("--gaps", action="store_true", help="GPU idle time in the steps, its largest gaps, host syncs")
     ap.add_argument("--why", metavar="PATTERN", help="the aten ops / Python frames launching matching kernels")
     ap.add_argument("--loop", type=int, metavar="N",
-                    help="also N steps as triton.testing.do_bench times them (L2 flushed, gradients None, CUDA "
-                         "events around each step): per step the events' time, the GPU's busy and idle time in it")
+                    help="also N steps as triton.testing.do_bench times them (L2 flushed, CUDA events around each "
+                         "step), unprofiled (events' and host's ms per step) and profiled (per step: events, host, GPU "
+                         "window, busy, idle, largest gap; kernel time per step in the windows); see the docstring")
     args = ap.parse_args()
     from requires import require_cuda
     require_cuda("profile_layer.py", fla=True)
@@ -113,12 +124,13 @@ def main():
 
 
 def bench_loop(fwdbwd, n):
-    """``n`` steps as ``do_bench`` runs them, profiled: where its time per step differs from the kernels' sum."""
+    """``n`` steps as ``do_bench`` runs them, once unprofiled and once profiled: where its time per step differs from
+    the kernels' sum (module docstring, ``--loop``)."""
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
     starts, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(n)] for _ in range(2))
     host = []
 
-    def loop():   # (fwdbwd sets the gradients to None itself, as do_bench's grad_to_none in bench_vs_fla.py)
+    def loop():   # (with --grad output fwdbwd sets the gradients to None itself, as do_bench's grad_to_none)
         torch.cuda.synchronize()
         fwdbwd()                                    # do_bench's warm-up call
         host.clear()
@@ -164,11 +176,12 @@ def print_loop(events, event_ms, host_ms):
     for k in ks:
         if any(a <= k["ts"] < b for a, b in windows):
             per[k["name"]] += k["dur"]
-    print(f"kernels in the {len(windows)} windows, us per step: " + "; ".join(
-        f"{n[:48]} {us / max(len(windows), 1):.0f}" for n, us in per.most_common(24)))
-    print("profiled (GPU window: from the end of the step's L2 clear to the next clear; the events' time adds the "
-          "wait for the step's first kernel)\n| step | events ms | host ms | GPU window ms | busy ms | idle ms | "
-          "largest gap us: after -> before |\n|---|---|---|---|---|---|---|")
+    steps = max(len(windows), 1)
+    print(f"kernels in the {len(windows)} windows, {sum(per.values()) / steps / 1e3:.3f} ms per step in all; us per "
+          "step: " + "; ".join(f"{_short(n, 48)} {us / steps:.0f}" for n, us in per.most_common(24)))
+    print("profiled (GPU window: from the end of the step's L2 clear to the start of the next clear; the events "
+          "start at the same point, so events <= window)\n| step | events ms | host ms | GPU window ms | busy ms | "
+          "idle ms | largest gap us: after -> before |\n|---|---|---|---|---|---|---|")
     for i, w in enumerate(step_windows(events, len(event_ms))):
         if w is None:
             print(f"| {i} | {event_ms[i]:.3f} | {host_ms[i]:.3f} | (no clear kernel found) | | | |")
@@ -180,7 +193,14 @@ def print_loop(events, event_ms, host_ms):
         gaps = timeline(sorted(inside + ends, key=lambda k: k["ts"]))[2]
         g = max(gaps, default=(0.0, "", ""))
         print(f"| {i} | {event_ms[i]:.3f} | {host_ms[i]:.3f} | {(b - a) / 1e3:.3f} | {busy / 1e3:.3f} | "
-              f"{(b - a - busy) / 1e3:.3f} | {g[0]:.0f}: {g[1][:40]} -> {g[2][:40]} |")
+              f"{(b - a - busy) / 1e3:.3f} | {g[0]:.0f}: {_short(g[1], 40)} -> {_short(g[2], 40)} |")
+
+
+def _short(name: str, n: int) -> str:
+    """A kernel's name cut to n characters after dropping aten's common prefixes (which would fill them)."""
+    for prefix in ("void ", "at::native::", "(anonymous namespace)::"):
+        name = name[len(prefix):] if name.startswith(prefix) else name
+    return name[:n]
 
 
 _SYNCS = re.compile(r"cuda(Stream|Device|Event)Synchronize|cudaMemcpy$")
