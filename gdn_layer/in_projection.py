@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 class _TwoProjections(torch.autograd.Function):
     """``(F.linear(x, w_m), F.linear(x, w_z))`` with ``dx = d_m @ w_m + d_z @ w_z`` in two GEMMs, the second
-    accumulating into the first's output."""
+    accumulating into the first's output. Saves what ``F.linear`` would: x only for the weights' gradients, the
+    weights only for x's; an output without a gradient contributes nothing (its weight's gradient stays None)."""
 
     @staticmethod
     def forward(x, w_m, w_z):
@@ -29,7 +30,11 @@ class _TwoProjections(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        x, w_m, w_z = inputs
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        ctx.save_for_backward(x if need_w else None, w_m if need_x else None, w_z if need_x else None)
+        ctx.x_shape = x.shape
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, d_m, d_z):
@@ -37,10 +42,14 @@ class _TwoProjections(torch.autograd.Function):
         rows = lambda t: t.reshape(-1, t.shape[-1])   # noqa: E731  ([..., n] -> [tokens, n]; a copy only if strided)
         dx = dw_m = dw_z = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(rows(d_m), w_m).addmm_(rows(d_z), w_z).view(x.shape)
-        if ctx.needs_input_grad[1]:
+            if d_m is not None:
+                dx = torch.mm(rows(d_m), w_m)
+            if d_z is not None:
+                dx = torch.mm(rows(d_z), w_z) if dx is None else dx.addmm_(rows(d_z), w_z)
+            dx = None if dx is None else dx.view(ctx.x_shape)
+        if ctx.needs_input_grad[1] and d_m is not None:
             dw_m = rows(d_m).t().mm(rows(x))
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2] and d_z is not None:
             dw_z = rows(d_z).t().mm(rows(x))
         return dx, dw_m, dw_z
 
@@ -60,13 +69,16 @@ def two_projections(x: torch.Tensor, w_m: torch.Tensor, w_z: torch.Tensor) -> tu
         ``[..., F_m]`` and ``[..., F_z]`` in x's dtype, values and gradients those of the two ``F.linear``
         calls (up to the order of one floating-point sum per input-gradient element).
 
-    The fused backward is used only where it changes nothing else: grad mode on and ``x`` needing a gradient,
-    plain tensors (no subclass such as DTensor), one dtype, no autocast, not while ``torch.compile`` traces
-    (its own fusion applies there); otherwise the two ``F.linear`` calls run as they are (and raise as they do).
+    The fused backward is used only with grad mode on and ``x`` needing a gradient, plain tensors (no subclass
+    such as DTensor), one floating dtype, a device type autocast knows (cpu, cuda, ...) with autocast off there,
+    and not while ``torch.compile`` traces (its own fusion applies there); otherwise the two ``F.linear`` calls
+    run as they are (and raise as they do). It saves the same tensors as they would. Unlike ``F.linear`` it has
+    no forward-mode AD (``jvp``) or ``vmap`` rule (nor has the layer's conv / chunk ops: the layer supports neither).
     """
     dev = x.device.type
     if (torch.is_grad_enabled() and x.requires_grad and _plain(x) and _plain(w_m) and _plain(w_z)
             and x.dtype == w_m.dtype == w_z.dtype and x.is_floating_point() and dev != "meta"
-            and not torch.is_autocast_enabled(dev) and not torch.compiler.is_compiling()):
+            and torch.amp.is_autocast_available(dev) and not torch.is_autocast_enabled(dev)
+            and not torch.compiler.is_compiling()):
         return _TwoProjections.apply(x, w_m, w_z)
     return F.linear(x, w_m), F.linear(x, w_z)

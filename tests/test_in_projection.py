@@ -122,3 +122,44 @@ def test_layer_uses_it_only_for_plain_linears():
     torch.testing.assert_close(y2, y, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dx2, dx, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(dw2, dw, rtol=1e-10, atol=1e-12)
+
+
+def test_saves_what_two_linears_save():
+    """With frozen weights x is not kept for the backward (so an in-place change of x after the forward is fine,
+    as with ``F.linear``); with every input needing a gradient x and both weights are kept."""
+    torch.manual_seed(6)
+
+    def saved_shapes(*args):
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            out = two_projections(*args)
+        assert type(out[0].grad_fn).__name__ == "_TwoProjectionsBackward"
+        return sorted(shapes)
+    assert saved_shapes(*inputs((1, 8, 24), w_grad=False)) == [(16, 24), (40, 24)]
+    assert saved_shapes(*inputs((1, 8, 24))) == [(1, 8, 24), (16, 24), (40, 24)]
+    x, w_m, w_z = inputs((1, 8, 24), w_grad=False)
+    m, z = two_projections(x, w_m, w_z)
+    d_m, d_z = torch.randn_like(m), torch.randn_like(z)
+    with torch.no_grad():
+        x.mul_(2)
+    dx, = torch.autograd.grad((m, z), (x,), (d_m, d_z))
+    torch.testing.assert_close(dx, d_m @ w_m + d_z @ w_z)
+
+
+def test_an_output_without_gradient_leaves_its_weight_gradient_none():
+    torch.manual_seed(7)
+    x, w_m, w_z = inputs((1, 8, 24), dtype=torch.float64)
+    m, z = two_projections(x, w_m, w_z)
+    d_m = torch.randn_like(m)
+    m.backward(d_m)
+    assert w_z.grad is None
+    torch.testing.assert_close(w_m.grad, d_m.reshape(-1, 40).t() @ x.detach().reshape(-1, 24))
+    torch.testing.assert_close(x.grad, d_m @ w_m.detach())
+
+
+def test_falls_back_on_a_device_type_autocast_does_not_know(monkeypatch):
+    """(``torch.is_autocast_enabled`` raises for such a device type; ``lazy`` is one.)"""
+    x, w_m, w_z = inputs((1, 8, 24), dtype=torch.float32)
+    monkeypatch.setattr(torch.amp, "is_autocast_available", lambda device_type: False)
+    m, _ = two_projections(x, w_m, w_z)
+    assert "TwoProjections" not in type(m.grad_fn).__name__
