@@ -171,7 +171,8 @@ def print_loop(events, event_ms, host_ms):
     """The profiled loop's table: per step the CUDA events' time, the GPU window (``step_windows``), its busy
     and idle time, and its largest idle gap with the kernels on either side."""
     ks = _kernels(events)
-    windows = [w for w in step_windows(events, len(event_ms)) if w is not None]
+    per_step = step_windows(events, len(event_ms))
+    windows = [w for w in per_step if w is not None]
     per = collections.Counter()
     for k in ks:
         if any(a <= k["ts"] < b for a, b in windows):
@@ -182,7 +183,7 @@ def print_loop(events, event_ms, host_ms):
     print("profiled (GPU window: from the end of the step's L2 clear to the start of the next clear; the events "
           "start at the same point, so events <= window)\n| step | events ms | host ms | GPU window ms | busy ms | "
           "idle ms | largest gap us: after -> before |\n|---|---|---|---|---|---|---|")
-    for i, w in enumerate(step_windows(events, len(event_ms))):
+    for i, w in enumerate(per_step):
         if w is None:
             print(f"| {i} | {event_ms[i]:.3f} | {host_ms[i]:.3f} | (no clear kernel found) | | | |")
             continue

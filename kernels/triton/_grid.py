@@ -24,7 +24,7 @@ def programs(tiles: int, other_axes: int = 1, cap: int = MAX_PROGRAMS) -> int:
     if other_axes > MAX_PROGRAMS:
         raise ValueError(f"a launch's other grid axes hold {other_axes} programs, more than {MAX_PROGRAMS}")
     other_axes = max(other_axes, 1)
-    return min(tiles, MAX_PROGRAMS // other_axes, -(-max(1, min(cap, MAX_PROGRAMS)) // other_axes))
+    return min(tiles, MAX_PROGRAMS // other_axes, cdiv(max(1, min(cap, MAX_PROGRAMS)), other_axes))
 
 
 def cdiv(a: int, b: int) -> int:

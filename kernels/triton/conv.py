@@ -80,7 +80,7 @@ DZ_PROGRAMS_PLAIN = 512
 # both: 4.01 / 3.56 ms). So the plain variant takes DZ_BLOCK_T_PLAIN, the other DZ_BLOCK_T.
 DZ_BLOCK_T = 32
 DZ_BLOCK_T_PLAIN = 16
-# The q / k L2 norm's backward inside the dz pass (``_dz_l2norm``: y and rstd recomputed in the tile, no extra
+# The q / k L2 norm's backward inside the dz pass (``_dz`` with ``L2_D``: y and rstd recomputed in the tile, no extra
 # reads; saves ``l2norm_bwd_from_output``'s launch and its dq / dk round trip, 0.19 ms per step at Qwen3-Next's
 # 32k on an H200, session 21): its channel block is one head (128 channels for Qwen3-Next), so its token block
 # halves to keep the plain tile's elements. Off until timed on a GPU (session 22 wrote it without one):
@@ -263,60 +263,48 @@ def _store_parts(p0, p1, p2, b, tok, c, val, mask, e0, e1, sb0, st0, sc0, sb1, s
 
 @triton.jit
 def _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c, valid, near, cmask,
-        stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
+        stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, eps,
         W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-        ALIGN: tl.constexpr):
+        ALIGN: tl.constexpr, L2_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Gradient of the pre-activation at position r of a sequence, from ``g`` = dy there (0 where not
-    valid)."""
-    if SILU:
+    valid). ``L2_D`` > 0: g is the gradient of the output L2-normalised per head of L2_D channels
+    (``l2norm_dim``; the ``[BLOCK_T, BLOCK_C]`` tile holds whole heads): y = act(z) and its factor rstd are
+    recomputed here and the norm's backward ``rstd (g - y_hat sum_head(y_hat g))`` (``reference.
+    l2norm_bwd_from_output``) comes before the activation's. (eps, BLOCK_T, BLOCK_C: unused without L2_D.)"""
+    if SILU or L2_D > 0:
         z = _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, near, cmask,
                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                     W, HAS_BIAS, HAS_INIT, ACC, ALIGN)
+    if SILU:
         sig = 1.0 / (1.0 + tl.exp(-z))
+    if L2_D > 0:
+        y = z
+        if SILU:
+            y = z * sig
+        rstd = _per_channel(_head_rstd(y, eps, BLOCK_T, BLOCK_C, L2_D), BLOCK_T, BLOCK_C, L2_D)
+        y_hat = y * rstd
+        g = rstd * (g - y_hat * _per_channel(_head_sum(y_hat * g, BLOCK_T, BLOCK_C, L2_D), BLOCK_T, BLOCK_C, L2_D))
+    if SILU:
         g = g * sig * (1.0 + z * (1.0 - sig))
     return g
 
 
 @triton.jit
-def _dz_l2norm(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c, valid, near, cmask,
-               stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, eps,
-               W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr,
-               ACC: tl.constexpr, ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-               D: tl.constexpr):
-    """``_dz`` of a conv whose output heads of D channels were L2-normalised (``l2norm_dim``), from ``g`` = the
-    gradient of the normalised output: y = act(z) and its factor rstd recomputed in the tile (the block holds
-    whole heads), then ``dy = rstd (g - y_hat sum_head(y_hat g))`` (the norm's backward,
-    ``reference.l2norm_bwd_from_output``), then the activation's."""
-    z = _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, near, cmask,
-                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-                W, HAS_BIAS, HAS_INIT, ACC, ALIGN)
-    if SILU:
-        sig = 1.0 / (1.0 + tl.exp(-z))
-        y = z * sig
-    else:
-        y = z
-    rstd = _per_channel(_head_rstd(y, eps, BLOCK_T, BLOCK_C, D), BLOCK_T, BLOCK_C, D)
-    y_hat = y * rstd
+def _head_sum(v, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr):
+    """The sum over each head of D consecutive channels of ``v [BLOCK_T, BLOCK_C]`` (a channel block holds whole
+    heads: ``BLOCK_C`` a multiple of D), ``[BLOCK_T, BLOCK_C // D]``: a row sum ``[BLOCK_T, 1]`` where the block is
+    one head (no reshape)."""
     if BLOCK_C == D:
-        dot = tl.sum(y_hat * g, 1)[:, None]
+        out = tl.sum(v, 1)[:, None]
     else:
-        dot = _per_channel(tl.sum(tl.reshape(y_hat * g, (BLOCK_T, BLOCK_C // D, D)), 2), BLOCK_T, BLOCK_C, D)
-    g = rstd * (g - y_hat * dot)
-    if SILU:
-        g = g * sig * (1.0 + z * (1.0 - sig))
-    return g
+        out = tl.sum(tl.reshape(v, (BLOCK_T, BLOCK_C // D, D)), 2)
+    return out
 
 
 @triton.jit
 def _head_rstd(v, eps, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, D: tl.constexpr):
-    """``1 / sqrt(sum v^2 + eps)`` over each head of D consecutive channels of ``v [BLOCK_T, BLOCK_C]`` (a channel
-    block holds whole heads: ``BLOCK_C`` a multiple of D), ``[BLOCK_T, BLOCK_C // D]``: a row sum where the
-    block is one head (no reshape)."""
-    if BLOCK_C == D:
-        sums = tl.sum(v * v, 1)[:, None]
-    else:
-        sums = tl.sum(tl.reshape(v * v, (BLOCK_T, BLOCK_C // D, D)), 2)
-    return 1.0 / tl.sqrt(sums + eps)
+    """``1 / sqrt(sum v^2 + eps)`` over each head of ``v`` (``_head_sum``'s shape)."""
+    return 1.0 / tl.sqrt(_head_sum(v * v, BLOCK_T, BLOCK_C, D) + eps)
 
 
 @triton.jit
@@ -441,7 +429,7 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
     z is recomputed from x (W taps); the taps are read again for dweight (cache hits). The dweight and
     dbias products of the first 4 taps are summed elementwise over the program's tiles and reduced over
     tokens once at its end (a per-tile reduction crosses warps); taps past 4 (W > 4) reduce per tile.
-    ``L2_D`` > 0: dy is the gradient of the output L2-normalised per head of L2_D channels (``_dz_l2norm``; the
+    ``L2_D`` > 0: dy is the gradient of the output L2-normalised per head of L2_D channels (``_dz``; the
     channel block holds whole heads).
     """
     pid = tl.program_id(0)
@@ -472,14 +460,9 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
         valid = tmask[:, None] & cm2
         g = _load_parts(dy, dy1, dy2, b, t[:, None], c2, valid, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                         sd2b, sd2t, sd2c, ACC, PARTS, DY_ALIGN)
-        if L2_D > 0:
-            g = _dz_l2norm(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
-                           stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, eps,
-                           W, HAS_BIAS, HAS_INIT, SILU, ACC, X_ALIGN, BLOCK_T, BLOCK_C, L2_D)
-        else:
-            g = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
-                    stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-                    W, HAS_BIAS, HAS_INIT, SILU, ACC, X_ALIGN)
+        g = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
+                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, eps,
+                W, HAS_BIAS, HAS_INIT, SILU, ACC, X_ALIGN, L2_D, BLOCK_T, BLOCK_C)
         tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
         if HAS_BIAS:
             acc_db += g
@@ -592,8 +575,8 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
             g = _load_parts(dy, dy1, dy2, dy_b, dy_t0 + rt, c, at, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                             sd2b, sd2t, sd2c, ACC, PARTS, 1)
             dz = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, rt, c, at, True, cmask,
-                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
-                     W, HAS_BIAS, True, SILU, ACC, 1)
+                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, 0.0,
+                     W, HAS_BIAS, True, SILU, ACC, 1, 0, 1, 1)
             w_j = _w_at(w0, w1, w2, w3, w, c, cmask, stride_wc, stride_ww, j, W, ACC)
             acc += w_j * dz
         if HAS_DFINAL:
@@ -760,8 +743,8 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     if l2norm_out is not None and C > 0:
         y, rstd = l2norm_out
         D = C // rstd.shape[-1]
-        if DZ_FUSED_L2NORM and _l2norm_fused(D, C, bias, initial_state, None) and not isinstance(dy, list):
-            l2_d = D     # the dz pass goes through the norm itself (``_dz_l2norm``)
+        if DZ_FUSED_L2NORM and _l2norm_fused(D, C, bias, initial_state, None):
+            l2_d = D     # the dz pass goes through the norm itself (``_dz`` with ``L2_D``)
         else:
             dy = l2norm_bwd_from_output(_heads(y, D), rstd, _heads(dy, D)).flatten(-2)
     x = narrow_offsets(x)
