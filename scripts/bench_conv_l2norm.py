@@ -13,10 +13,6 @@ Qwen3-Next's q and k (Hk 16 heads of 128 channels each, W = 4, bf16), x channel 
 
 Prints ms (median of ``triton.testing.do_bench``) of the forward and of the backward of each, and the fused
 results' largest relative difference from the separate ones (y, dx, dweight; bf16).
-
-Then the fused backward again with the norm's backward inside the dz pass (``conv.DZ_FUSED_L2NORM``: y and rstd
-recomputed in the tile, one head per channel block, no ``l2norm_bwd_from_output`` launch) at token blocks
-``--dz-blocks`` (``conv.DZ_BLOCK_T_L2NORM``), with its difference from the shipped fused backward.
 """
 import argparse
 import random
@@ -31,8 +27,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--docs", type=int, default=9)
-    ap.add_argument("--dz-blocks", type=int, nargs="*", default=[4, 8, 16],
-                    help="token blocks of the dz pass with the norm's backward inside it (none: skip)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_conv_l2norm.py needs a CUDA GPU")
@@ -84,18 +78,6 @@ def main():
     print(f"forward : separate {t['separate fwd']:.3f} ms (2 convs + norm), fused {t['fused fwd']:.3f} ms")
     print(f"backward: separate {t['separate bwd']:.3f} ms (norm recompute + norm bwd + 2 conv bwd), "
           f"fused {t['fused bwd']:.3f} ms (norm bwd from y, rstd + 2 conv bwd)")
-    flags = conv.DZ_FUSED_L2NORM, conv.DZ_BLOCK_T_L2NORM
-    try:
-        conv.DZ_FUSED_L2NORM = True
-        for bt in args.dz_blocks:
-            conv.DZ_BLOCK_T_L2NORM = bt
-            g = [[t.clone() for t in pair] for pair in fused_bwd()]
-            e = max(err(a, b) for p, q in zip(g, got_g) for a, b in zip(p, q))
-            print(f"backward, the norm's backward in the dz pass ({bt} x {D} tiles): "
-                  f"{do_bench(fused_bwd, warmup=25, rep=200):.3f} ms; max rel. difference from the fused "
-                  f"backward above {e:.2e} (dx, dweight)")
-    finally:
-        conv.DZ_FUSED_L2NORM, conv.DZ_BLOCK_T_L2NORM = flags
 
 
 if __name__ == "__main__":

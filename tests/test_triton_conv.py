@@ -85,17 +85,13 @@ def l2norm_heads(conv_fn, D):
 @pytest.mark.parametrize("C,D", [(256, 128), (96, 32), (24, 8), (64, 64)])
 @pytest.mark.parametrize("B,cu", [(1, [0, 0, 1, 3, 40, 41, 70]), (2, None)])
 @pytest.mark.parametrize("act", ["silu", None])
-@pytest.mark.parametrize("fused_bwd", [False, True], ids=["norm_bwd_launch", "norm_bwd_in_dz"])
-def test_l2norm_heads_in_the_conv_kernels_match_the_float64_reference(monkeypatch, C, D, B, cu, act, fused_bwd):
+def test_l2norm_heads_in_the_conv_kernels_match_the_float64_reference(monkeypatch, C, D, B, cu, act):
     """``l2norm_dim``, the layer's q / k (no bias, no initial state, power-of-two heads up to 128): the forward
     kernel normalises each head of its tile and writes the factor rstd; the backward goes through the norm
-    from y and rstd (one ``l2norm_bwd_from_output`` launch, no conv recompute), then the plain dz pass; or, with
-    ``DZ_FUSED_L2NORM``, the dz pass goes through the norm itself (y and rstd recomputed, one head per channel
-    block). Values, rstd and gradients against the float64 oracle; several tiles per program (the forward knob
-    at 2)."""
+    from y and rstd (one ``l2norm_bwd_from_output`` launch, no conv recompute), then the plain dz pass. Values,
+    rstd and gradients against the float64 oracle; several tiles per program (the forward knob at 2)."""
     from gdn_layer.kernels.triton import l2norm
     monkeypatch.setattr(conv, "FWD_PROGRAMS", 2)
-    monkeypatch.setattr(conv, "DZ_FUSED_L2NORM", fused_bwd)
     spies = {k: LaunchSpy(getattr(conv, k)) for k in ("_conv_fwd_kernel", "_conv_dz_kernel")}
     for name, spy in spies.items():
         monkeypatch.setattr(conv, name, spy)
@@ -108,8 +104,7 @@ def test_l2norm_heads_in_the_conv_kernels_match_the_float64_reference(monkeypatc
         if b is not None:
             assert rel_err(a, b) <= 1e-5, (name, rel_err(a, b))
     assert [kw["L2_D"] for kw in spies["_conv_fwd_kernel"].kwargs] == [D]
-    assert len(spies["_conv_dz_kernel"].kwargs) == 1 and len(norm_spy.kwargs) == (0 if fused_bwd else 1)
-    assert spies["_conv_dz_kernel"].kwargs[0]["L2_D"] == (D if fused_bwd else 0)
+    assert len(spies["_conv_dz_kernel"].kwargs) == 1 and len(norm_spy.kwargs) == 1
     # the factor the forward hands the backward
     x = inp["buf"][..., inp["off"]:inp["off"] + C]
     cu_t = None if cu is None else inp["cu"]

@@ -19,8 +19,7 @@ axis, so no launch exceeds triton-ascend's 65 535 programs at any T or N.
   caches).
   With ``l2norm_dim`` (the gated delta rule's q and k) each head of that many channels is L2-normalised in
   the same pass and its factor ``rstd`` written out: the backward takes the norm's gradient from y and rstd
-  (``triton/l2norm.py``, one launch) before the dz pass, with no recompute (or, with ``DZ_FUSED_L2NORM``, off
-  until timed, inside the dz pass, which recomputes y and rstd in its tile).
+  (``triton/l2norm.py``, one launch) before the dz pass, with no recompute.
 - ``_conv_state_fwd_kernel``, over the N sequences x channel blocks: gathers ``final_state[n]``.
 - ``_conv_dz_kernel``, over its own tiles (``DZ_BLOCK_T`` or ``DZ_BLOCK_T_PLAIN`` x ``_dz_block_c(C)``): the
   pre-activation's gradient dz (z recomputed from x; the forward saves nothing but its inputs) into a ``[B, T, C]``
@@ -80,13 +79,9 @@ DZ_PROGRAMS_PLAIN = 512
 # both: 4.01 / 3.56 ms). So the plain variant takes DZ_BLOCK_T_PLAIN, the other DZ_BLOCK_T.
 DZ_BLOCK_T = 32
 DZ_BLOCK_T_PLAIN = 16
-# The q / k L2 norm's backward inside the dz pass (``_dz`` with ``L2_D``: y and rstd recomputed in the tile, no extra
-# reads; saves ``l2norm_bwd_from_output``'s launch and its dq / dk round trip, 0.19 ms per step at Qwen3-Next's
-# 32k on an H200, session 21): its channel block is one head (128 channels for Qwen3-Next), so its token block
-# halves to keep the plain tile's elements. Off until timed on a GPU (session 22 wrote it without one):
-# ``python scripts/bench_conv_l2norm.py`` (gpu_session.sh step ``conv_l2``) times both ways.
-DZ_FUSED_L2NORM = False
-DZ_BLOCK_T_L2NORM = 8
+# (Not kept: the q / k L2 norm's backward inside the dz pass, y and rstd recomputed in a one-head tile. H200,
+# session 23, Qwen3-Next's q and k at 32k: 0.915 / 1.132 / 0.993 ms at 8 / 4 / 16 x 128 tiles against 0.764 for the
+# separate ``l2norm_bwd_from_output`` launch + plain dz pass; patch in docs/measurements/h200_issue23_s23/.)
 DZ_NUM_WARPS = 4
 # software pipelining of the dz pass's tile loop (``tl.range(num_stages=)``): 1 compiles the plain loop (the same
 # PTX as ``range``); from 2 Triton prefetches the next tiles' x and dy through shared memory (cp.async), which
@@ -263,28 +258,16 @@ def _store_parts(p0, p1, p2, b, tok, c, val, mask, e0, e1, sb0, st0, sc0, sb1, s
 
 @triton.jit
 def _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c, valid, near, cmask,
-        stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, eps,
+        stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
         W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
-        ALIGN: tl.constexpr, L2_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        ALIGN: tl.constexpr):
     """Gradient of the pre-activation at position r of a sequence, from ``g`` = dy there (0 where not
-    valid). ``L2_D`` > 0: g is the gradient of the output L2-normalised per head of L2_D channels
-    (``l2norm_dim``; the ``[BLOCK_T, BLOCK_C]`` tile holds whole heads): y = act(z) and its factor rstd are
-    recomputed here and the norm's backward ``rstd (g - y_hat sum_head(y_hat g))`` (``reference.
-    l2norm_bwd_from_output``) comes before the activation's. (eps, BLOCK_T, BLOCK_C: unused without L2_D.)"""
-    if SILU or L2_D > 0:
+    valid)."""
+    if SILU:
         z = _preact(x, init, w0, w1, w2, w3, w, bias, x_base, init_base, r, c, valid, near, cmask,
                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
                     W, HAS_BIAS, HAS_INIT, ACC, ALIGN)
-    if SILU:
         sig = 1.0 / (1.0 + tl.exp(-z))
-    if L2_D > 0:
-        y = z
-        if SILU:
-            y = z * sig
-        rstd = _per_channel(_head_rstd(y, eps, BLOCK_T, BLOCK_C, L2_D), BLOCK_T, BLOCK_C, L2_D)
-        y_hat = y * rstd
-        g = rstd * (g - y_hat * _per_channel(_head_sum(y_hat * g, BLOCK_T, BLOCK_C, L2_D), BLOCK_T, BLOCK_C, L2_D))
-    if SILU:
         g = g * sig * (1.0 + z * (1.0 - sig))
     return g
 
@@ -417,11 +400,11 @@ def _dw_col(dw_part, part, acc, W: tl.constexpr, i: tl.constexpr, cmask):
 def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                     sd2b, sd2t, sd2c, dz, dw_part, db_part,
                     T, NT, C, stride_xb, stride_xt, stride_xc, stride_wc, stride_ww, stride_bc,
-                    stride_in, stride_ic, stride_ik, eps,
+                    stride_in, stride_ic, stride_ik,
                     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr,
                     IS_VARLEN: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, PARTS: tl.constexpr,
-                    X_ALIGN: tl.constexpr, DY_ALIGN: tl.constexpr, STAGES: tl.constexpr, L2_D: tl.constexpr = 0):
+                    X_ALIGN: tl.constexpr, DY_ALIGN: tl.constexpr, STAGES: tl.constexpr):
     """dz (the pre-activation's gradient) for token tiles p, p + P, ... (of NT), and the program's
     partial dweight [C, W] and dbias [C] summed over its tiles (row p of the parts). dy comes as the
     parts ``dy, dy1, dy2`` split at columns ``e0, e1`` (``_load_parts``).
@@ -429,8 +412,6 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
     z is recomputed from x (W taps); the taps are read again for dweight (cache hits). The dweight and
     dbias products of the first 4 taps are summed elementwise over the program's tiles and reduced over
     tokens once at its end (a per-tile reduction crosses warps); taps past 4 (W > 4) reduce per tile.
-    ``L2_D`` > 0: dy is the gradient of the output L2-normalised per head of L2_D channels (``_dz``; the
-    channel block holds whole heads).
     """
     pid = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -461,8 +442,8 @@ def _conv_dz_kernel(x, w, bias, init, seq_idx, cu, dy, dy1, dy2, e0, e1, sd0b, s
         g = _load_parts(dy, dy1, dy2, b, t[:, None], c2, valid, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                         sd2b, sd2t, sd2c, ACC, PARTS, DY_ALIGN)
         g = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, r, c2, valid, near, cm2,
-                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, eps,
-                W, HAS_BIAS, HAS_INIT, SILU, ACC, X_ALIGN, L2_D, BLOCK_T, BLOCK_C)
+                stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
+                W, HAS_BIAS, HAS_INIT, SILU, ACC, X_ALIGN)
         tl.store(dz + (b * T + t)[:, None] * C + c2, g.to(dz.dtype.element_ty), mask=valid)
         if HAS_BIAS:
             acc_db += g
@@ -575,8 +556,8 @@ def _conv_state_bwd_kernel(x, w, bias, init, cu, dy, dy1, dy2, e0, e1, sd0b, sd0
             g = _load_parts(dy, dy1, dy2, dy_b, dy_t0 + rt, c, at, e0, e1, sd0b, sd0t, sd0c, sd1b, sd1t, sd1c,
                             sd2b, sd2t, sd2c, ACC, PARTS, 1)
             dz = _dz(x, init, w0, w1, w2, w3, w, bias, g, x_base, init_base, rt, c, at, True, cmask,
-                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik, 0.0,
-                     W, HAS_BIAS, True, SILU, ACC, 1, 0, 1, 1)
+                     stride_xt, stride_xc, stride_wc, stride_ww, stride_bc, stride_ic, stride_ik,
+                     W, HAS_BIAS, True, SILU, ACC, 1)
             w_j = _w_at(w0, w1, w2, w3, w, c, cmask, stride_wc, stride_ww, j, W, ACC)
             acc += w_j * dz
         if HAS_DFINAL:
@@ -735,18 +716,13 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
 
     l2norm_out: None, or ``(y, rstd)`` of a forward with ``l2norm_dim`` (dy a tensor, the gradient of that
     normalised y): first through the norm from the saved pair, without recomputing the conv
-    (``triton/l2norm.py``'s ``l2norm_bwd_from_output``, one launch), then the conv's backward; with
-    ``DZ_FUSED_L2NORM`` (and the layer's plain conv) the dz pass goes through the norm itself instead (``L2_D``).
+    (``triton/l2norm.py``'s ``l2norm_bwd_from_output``, one launch), then the conv's backward.
     """
     B, T, C = x.shape
-    l2_d = 0
     if l2norm_out is not None and C > 0:
         y, rstd = l2norm_out
         D = C // rstd.shape[-1]
-        if DZ_FUSED_L2NORM and _l2norm_fused(D, C, bias, initial_state, None):
-            l2_d = D     # the dz pass goes through the norm itself (``_dz`` with ``L2_D``)
-        else:
-            dy = l2norm_bwd_from_output(_heads(y, D), rstd, _heads(dy, D)).flatten(-2)
+        dy = l2norm_bwd_from_output(_heads(y, D), rstd, _heads(dy, D)).flatten(-2)
     x = narrow_offsets(x)
     dy = narrow_offsets(dy) if isinstance(dy, torch.Tensor) else [narrow_offsets(d) for d in dy]
     weight, bias, initial_state = _narrow_params(weight, bias, initial_state)
@@ -756,12 +732,12 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
     dt = _compute_dtype(x, weight, bias, initial_state)
     acc = tl.float64 if dt == torch.float64 else tl.float32
     silu = activation in ("silu", "swish")
-    block_c, dz_block_c = _block_c(C), (l2_d or _dz_block_c(C))   # (fused norm: one head per channel block)
+    block_c, dz_block_c = _block_c(C), _dz_block_c(C)
     # the dx pass on the plain forward's tile; with dfinal on the other (16 x 128 spills 8 bytes there, 32 x 64 not)
     dx_block_t, dx_block_c = _tile_shape(C, dfinal is None)
     n_cb, dz_n_cb, dx_n_cb = cdiv(C, block_c), cdiv(C, dz_block_c), cdiv(C, dx_block_c)
     plain = bias is None and initial_state is None     # the layer's conv in training: its own dz-pass settings
-    dz_block_t = (DZ_BLOCK_T_L2NORM if l2_d else DZ_BLOCK_T_PLAIN) if plain else DZ_BLOCK_T
+    dz_block_t = DZ_BLOCK_T_PLAIN if plain else DZ_BLOCK_T
     dz_stages = _stages(DZ_NUM_STAGES_PLAIN, x, W) if plain else DZ_NUM_STAGES
     dz_programs = DZ_PROGRAMS_PLAIN if plain else DZ_PROGRAMS
     n_tiles, dz_n_tiles = cdiv(T, dx_block_t) * B, cdiv(T, dz_block_t) * B
@@ -787,10 +763,10 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, cu, initial_state, activation
             x, weight, dummy if bias is None else bias, dummy if initial_state is None else initial_state,
             seq_idx, cu_arg, *dy_parts, dz, dw_part, db_part,
             T, dz_n_tiles, C, x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1),
-            0 if bias is None else bias.stride(0), *sin, L2NORM_EPS,
+            0 if bias is None else bias.stride(0), *sin,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, SILU=silu, BLOCK_T=dz_block_t,
             BLOCK_C=dz_block_c, BLOCK_W=next_power_of_2(W), PARTS=parts, X_ALIGN=rows_align([x], 2),
-            DY_ALIGN=rows_align(dy_parts[:3], 2), STAGES=dz_stages, num_warps=DZ_NUM_WARPS, L2_D=l2_d, **flags)
+            DY_ALIGN=rows_align(dy_parts[:3], 2), STAGES=dz_stages, num_warps=DZ_NUM_WARPS, **flags)
         _conv_dx_kernel[(programs(n_tiles, dx_n_cb, DX_PROGRAMS), dx_n_cb)](
             weight, seq_idx, cu_arg, dz, df_arg, dx, T, n_tiles, C, weight.stride(0), weight.stride(1), *sdf,
             *row_strides(dx, 2), HAS_DFINAL=dfinal is not None, BLOCK_T=dx_block_t, BLOCK_C=dx_block_c,
