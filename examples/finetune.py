@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError(f"--cp must be >= 1, got {args.cp}")
     if args.tiny and args.model:
         raise ValueError("--tiny builds its own 2-layer model: drop --model, or drop --tiny to fine-tune the model")
+    if args.model and not (os.path.isdir(args.model) or (args.model.endswith(".gguf") and os.path.isfile(args.model))):
+        raise ValueError(f"--model must be a .gguf file or a transformers model directory; {args.model!r} is "
+                         + ("not a file" if args.model.endswith(".gguf") else "neither"))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but this torch sees no CUDA device (a CPU-only build, or none visible)")
     if args.cuda_graphs and args.graph_layers:
@@ -422,7 +425,8 @@ def run(args: argparse.Namespace) -> dict:
         state["evals"][0] = evaluate(model, held, ctx)
     if lead:
         orig = state["eval_original"]
-        print(f"{summary}\nheld-out loss before fine-tuning (step 0): {state['evals'][0]:.4f}"
+        print(f"{summary}\nheld-out loss before fine-tuning (step 0{', from the checkpoint' if args.resume else ''}): "
+              f"{state['evals'][0]:.4f}"
               + (f" (the model before conversion, softmax attention in every layer: {orig:.4f})" if orig is not None else ""),
               flush=True)
 

@@ -9,7 +9,10 @@ all-to-all.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
+from torch import nn
 
 from gdn_layer.context_parallel import whole_sequence_cu
 from gdn_layer.kernels import check_cu_seqlens
@@ -28,20 +31,22 @@ SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a Python int: any integral number (``int``, numpy's integer scalars; not ``bool``) > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
-    return value
+    return int(value)
 
 
 def check_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, norm_eps,
-                 projection_layout, dtype) -> None:
-    """The constructor's argument checks (TypeError / ValueError naming the argument)."""
-    for name, value in (("hidden_size", hidden_size), ("num_k_heads", num_k_heads),
-                        ("num_v_heads", num_v_heads), ("head_k_dim", head_k_dim),
-                        ("head_v_dim", head_v_dim), ("conv_kernel_size", conv_kernel_size)):
-        positive_int(name, value)
+                 projection_layout, dtype) -> tuple[int, int, int, int, int, int]:
+    """The constructor's argument checks (TypeError / ValueError naming the argument); returns the six sizes
+    as Python ints (numpy integers from a config are accepted)."""
+    sizes = tuple(positive_int(name, value) for name, value in (
+        ("hidden_size", hidden_size), ("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
+        ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim), ("conv_kernel_size", conv_kernel_size)))
+    hidden_size, num_k_heads, num_v_heads = sizes[:3]
     if num_v_heads % num_k_heads != 0:
         raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
     if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
@@ -52,6 +57,7 @@ def check_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, 
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     if projection_layout not in ("split", "fused"):
         raise ValueError(f"projection_layout must be 'split' or 'fused', got {projection_layout!r}")
+    return sizes
 
 
 def bits_fingerprint(tensors) -> torch.Tensor:
@@ -113,6 +119,25 @@ def weights_fingerprint(layer) -> torch.Tensor:
     # forward) have no values to compare; the layer's own A_log and dt_bias are always there
     return bits_fingerprint([p for p in layer.parameters() if p.device.type != "meta"])
 
+_IN_PROJECTIONS = {"split": ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"),
+                   "fused": ("in_proj_qkvz", "in_proj_ba")}
+
+
+def _check_projection_dtypes(layer, x) -> None:
+    """Every input projection that is an ``nn.Linear`` computes in x's dtype (outside autocast): one cast
+    apart (``layer.in_proj_z.to(torch.bfloat16)``) fails in the GEMM with torch's "same dtype" error otherwise.
+    Other module types (LoRA wrappers, bitsandbytes' or torchao's ``nn.Linear`` subclasses) manage their own dtypes."""
+    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
+        return
+    for name in _IN_PROJECTIONS[layer.projection_layout]:
+        m = layer._modules.get(name)          # (an adapter of another family may name its projections otherwise)
+        w = getattr(m, "weight", None)
+        if type(m) is nn.Linear and isinstance(w, torch.Tensor) and w.dtype != x.dtype:
+            raise TypeError(f"{name}.weight is {w.dtype} but hidden_states is {x.dtype}: the input projections "
+                            "must share the input's dtype (cast the whole layer, layer.to(dtype)), or run under "
+                            "torch.autocast")
+
+
 def check_local(layer, x, cu_seqlens, state, output_state):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
@@ -129,6 +154,8 @@ def check_local(layer, x, cu_seqlens, state, output_state):
     if x.dtype != p.dtype and not autocast:
         raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype}); "
                         "cast one of them, or run under torch.autocast with that dtype")
+    if not autocast:
+        _check_projection_dtypes(layer, x)
     # the layer's own parameter: submodules' may sit on meta until their accelerate hooks restore them
     if x.device != layer.A_log.device:
         raise ValueError(f"hidden_states is on {x.device} but the layer's parameters are on {layer.A_log.device}")

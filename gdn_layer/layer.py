@@ -87,8 +87,9 @@ class GatedDeltaNet(nn.Module):
                  conv_kernel_size: int = 4, norm_eps: float = 1e-6, projection_layout: str = "split",
                  sp_group=None, backend: str = "auto", device=None, dtype=None, cp_group=None):
         super().__init__()
-        check_config(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, norm_eps,
-                     projection_layout, dtype)
+        hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size = check_config(
+            hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size, norm_eps,
+            projection_layout, dtype)
         self.hidden_size, self.num_k_heads, self.num_v_heads = hidden_size, num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim

@@ -51,10 +51,10 @@ def check_state(state, num_sequences: int, conv_dim: int, kernel_size: int, num_
     want_rec = (num_sequences, num_v_heads, head_k_dim, head_v_dim)
     if tuple(state.conv_state.shape) != want_conv:
         raise ValueError(f"state.conv_state must be [N, conv_dim, W-1] = {want_conv} "
-                         f"(N = number of sequences in this batch), got {tuple(state.conv_state.shape)}")
+                         f"(N = number of sequences in this batch: B without cu_seqlens, len(cu_seqlens) - 1 with it), got {tuple(state.conv_state.shape)}")
     if tuple(state.recurrent_state.shape) != want_rec:
         raise ValueError(f"state.recurrent_state must be [N, Hv, Dk, Dv] = {want_rec} "
-                         f"(N = number of sequences in this batch), got {tuple(state.recurrent_state.shape)}")
+                         f"(N = number of sequences in this batch: B without cu_seqlens, len(cu_seqlens) - 1 with it), got {tuple(state.recurrent_state.shape)}")
     for name, t in (("conv_state", state.conv_state), ("recurrent_state", state.recurrent_state)):
         if dtype is None and t.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"state.{name} must be float32 (float64 with float64 activations), got {t.dtype}")

@@ -11,6 +11,11 @@ if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1 || 
   DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -q --no-install-recommends \
     openmpi-bin libopenmpi-dev fortunes
 fi
+# stock Debian / Ubuntu ship python3 without venv's ensurepip (package python3-venv)
+if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then
+  sudo_if_needed apt-get update -q
+  DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -q --no-install-recommends python3-venv
+fi
 
 echo "setup: .venv (torch 2.13.0 CPU, the project with its test, hf and example extras, fla-core) ..."
 [ -x .venv/bin/python ] || python3 -m venv .venv

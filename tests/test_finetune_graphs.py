@@ -257,6 +257,17 @@ def test_device_cuda_without_cuda_and_tiny_with_model_are_refused(monkeypatch):
         finetune.parse_args(["--tiny", "--model", "/tmp"])
 
 
+def test_a_model_path_that_is_neither_a_gguf_file_nor_a_directory_is_refused_while_parsing(tmp_path):
+    """(A new user's ``--model /nonexistent`` got a traceback from hybrid.py, not argparse's one-line error.)"""
+    with pytest.raises(ValueError, match="'/nonexistent' is neither"):
+        finetune.parse_args(["--model", "/nonexistent"])
+    with pytest.raises(ValueError, match="is not a file"):
+        finetune.parse_args(["--model", str(tmp_path / "missing.gguf")])
+    assert finetune.parse_args(["--model", str(tmp_path)]).model == str(tmp_path)      # a directory passes
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert finetune.parse_args(["--model", str(tmp_path / "m.gguf")]).model.endswith("m.gguf")
+
+
 def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         finetune.parse_args(["--help"])

@@ -415,3 +415,46 @@ def test_a_captured_job_on_a_backend_without_as_in_capture_runs_plainly():
     wmod = importlib.import_module("gdn_layer.kernels.warmup")
     layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
     wmod._run_jobs(layer, torch.float32, [("captured", 2, False, False, True)])
+
+
+@pytest.mark.parametrize("layout, name", [("split", "in_proj_z"), ("split", "in_proj_a"), ("split", "in_proj_qkv"),
+                                          ("fused", "in_proj_ba"), ("fused", "in_proj_qkvz")])
+def test_one_input_projection_cast_apart_raises_naming_it_before_any_gemm(layout, name):
+    """A single input projection in another dtype than the input (``layer.in_proj_z.to(torch.bfloat16)``) is a
+    TypeError naming that projection, raised before anything runs (it was torch's "expected m1 and m2 to have
+    the same dtype" from inside the GEMM); under autocast the projections' dtypes do not matter."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(12, 2, 4, 8, 5, projection_layout=layout)
+    getattr(layer, name).to(torch.bfloat16)
+    x = torch.randn(1, 10, 12)
+    launched = []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: launched.append(m))
+    try:
+        with pytest.raises(TypeError, match=f"{name}.weight is torch.bfloat16 but hidden_states is torch.float32"):
+            layer(x)
+    finally:
+        handle.remove()
+    assert launched == [layer]          # no submodule ran
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    ref = GatedDeltaNet(12, 2, 4, 8, 5, projection_layout=layout)
+    ref.load_state_dict(layer.state_dict())      # (loads the bf16 weights into fp32 parameters)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(x)
+    assert torch.equal(y, want)
+
+
+def test_sizes_from_a_numpy_config_are_accepted_as_ints():
+    """Integral numbers of any type (numpy's ``int64`` from a parsed config) are sizes; bool and float are not."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(np.int64(12), np.int32(2), np.int64(4), 8, np.uint8(5))
+    assert all(type(v) is int for v in (layer.hidden_size, layer.num_k_heads, layer.num_v_heads, layer.head_v_dim,
+                                         layer.value_dim, layer.conv_dim))
+    ref = GatedDeltaNet(12, 2, 4, 8, 5)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 10, 12)
+    assert torch.equal(layer(x), ref(x))
+    for bad, kind in ((12.0, "float"), (True, "bool"), (np.float32(12), "float32")):
+        with pytest.raises(TypeError, match=f"hidden_size must be an int, got {kind}"):
+            GatedDeltaNet(bad, 2, 4, 8, 5)
