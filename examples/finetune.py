@@ -37,7 +37,7 @@ from tqdm import tqdm
 import graph_step
 import text_data
 from checkpoint import load_checkpoint, save_checkpoint, truncate_log
-from hybrid import default_gdn_heads, hybrid_forward, load_model, local_loss, make_hybrid, parse_layers
+from hybrid import check_model_path, default_gdn_heads, hybrid_forward, load_model, local_loss, make_hybrid, parse_layers
 from gdn_layer import GatedDeltaNet, make_graphed_layers
 from gdn_layer.parallel import reduce_sp_grads
 
@@ -104,9 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError(f"--cp must be >= 1, got {args.cp}")
     if args.tiny and args.model:
         raise ValueError("--tiny builds its own 2-layer model: drop --model, or drop --tiny to fine-tune the model")
-    if args.model and not (os.path.isdir(args.model) or (args.model.endswith(".gguf") and os.path.isfile(args.model))):
-        raise ValueError(f"--model must be a .gguf file or a transformers model directory; {args.model!r} is "
-                         + ("not a file" if args.model.endswith(".gguf") else "neither"))
+    if args.model:
+        check_model_path(args.model)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but this torch sees no CUDA device (a CPU-only build, or none visible)")
     if args.cuda_graphs and args.graph_layers:
@@ -424,9 +423,8 @@ def run(args: argparse.Namespace) -> dict:
     if 0 not in state["evals"]:
         state["evals"][0] = evaluate(model, held, ctx)
     if lead:
-        orig = state["eval_original"]
-        print(f"{summary}\nheld-out loss before fine-tuning (step 0{', from the checkpoint' if args.resume else ''}): "
-              f"{state['evals'][0]:.4f}"
+        orig, where = state["eval_original"], ", from the checkpoint" if args.resume else ""
+        print(f"{summary}\nheld-out loss before fine-tuning (step 0{where}): {state['evals'][0]:.4f}"
               + (f" (the model before conversion, softmax attention in every layer: {orig:.4f})" if orig is not None else ""),
               flush=True)
 

@@ -57,6 +57,15 @@ def tiny_model(seed: int) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def check_model_path(path: str) -> None:
+    """Raise ValueError unless ``path`` is an existing ``.gguf`` file or a directory (``--model``)."""
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ValueError(f"--model {path!r} does not exist")
+    elif not os.path.isdir(path):
+        raise ValueError(f"--model must be a .gguf file or a transformers model directory, got {path!r}")
+
+
 def load_model(path: str | None, tiny: bool, dtype: torch.dtype, seed: int):
     """``(model, encode, eos_id)``; ``encode(list[str]) -> list[list[int]]``. ``path``: a ``.gguf`` file
     or a transformers model directory (None: ``default_model_path()``); loads offline."""
@@ -64,14 +73,8 @@ def load_model(path: str | None, tiny: bool, dtype: torch.dtype, seed: int):
         return tiny_model(seed).to(dtype), ByteTokenizer(), ByteTokenizer.eos_token_id
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = path or default_model_path()
-    if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise ValueError(f"--model {path!r} does not exist")
-        src, kw = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
-    elif os.path.isdir(path):
-        src, kw = path, {}
-    else:
-        raise ValueError(f"--model must be a .gguf file or a transformers model directory, got {path!r}")
+    check_model_path(path)
+    src, kw = (os.path.dirname(path), {"gguf_file": os.path.basename(path)}) if path.endswith(".gguf") else (path, {})
     tok = AutoTokenizer.from_pretrained(src, **kw)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
     check_llama_layout(model)

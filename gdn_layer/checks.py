@@ -20,6 +20,7 @@ from gdn_layer.kernels.cu_cache import as_int64
 from gdn_layer.kernels.validation import check_no_nan, values_checkable
 from gdn_layer.parallel import digest_of
 from gdn_layer.parallel.context import agree_across_groups
+from gdn_layer.projection_layouts import IN_PROJECTIONS
 from gdn_layer.state import check_state
 from gdn_layer.submodules import check_conv1d
 from gdn_layer.token_order import prepare_token_order
@@ -119,17 +120,12 @@ def weights_fingerprint(layer) -> torch.Tensor:
     # forward) have no values to compare; the layer's own A_log and dt_bias are always there
     return bits_fingerprint([p for p in layer.parameters() if p.device.type != "meta"])
 
-_IN_PROJECTIONS = {"split": ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"),
-                   "fused": ("in_proj_qkvz", "in_proj_ba")}
-
 
 def _check_projection_dtypes(layer, x) -> None:
-    """Every input projection that is an ``nn.Linear`` computes in x's dtype (outside autocast): one cast
-    apart (``layer.in_proj_z.to(torch.bfloat16)``) fails in the GEMM with torch's "same dtype" error otherwise.
-    Other module types (LoRA wrappers, bitsandbytes' or torchao's ``nn.Linear`` subclasses) manage their own dtypes."""
-    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
-        return
-    for name in _IN_PROJECTIONS[layer.projection_layout]:
+    """Outside autocast, every input projection that is an ``nn.Linear`` computes in x's dtype: one cast apart
+    (``layer.in_proj_z.to(torch.bfloat16)``) fails in the GEMM with torch's "same dtype" error otherwise. Other
+    module types (LoRA wrappers, bitsandbytes' or torchao's ``nn.Linear`` subclasses) manage their own dtypes."""
+    for name in IN_PROJECTIONS[layer.projection_layout]:
         m = layer._modules.get(name)          # (an adapter of another family may name its projections otherwise)
         w = getattr(m, "weight", None)
         if type(m) is nn.Linear and isinstance(w, torch.Tensor) and w.dtype != x.dtype:
@@ -149,12 +145,12 @@ def check_local(layer, x, cu_seqlens, state, output_state):
         raise ValueError(f"hidden_states.shape[-1] must equal hidden_size = {layer.hidden_size}, "
                          f"got {x.shape[-1]}")
     p = layer.out_proj.weight
-    autocast = (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type) and p.dtype == torch.float32
-                and x.dtype == torch.get_autocast_dtype(x.device.type))
+    autocast_on = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
+    autocast = autocast_on and p.dtype == torch.float32 and x.dtype == torch.get_autocast_dtype(x.device.type)
     if x.dtype != p.dtype and not autocast:
         raise TypeError(f"hidden_states dtype {x.dtype} differs from the layer's parameters ({p.dtype}); "
                         "cast one of them, or run under torch.autocast with that dtype")
-    if not autocast:
+    if not autocast_on:
         _check_projection_dtypes(layer, x)
     # the layer's own parameter: submodules' may sit on meta until their accelerate hooks restore them
     if x.device != layer.A_log.device:

@@ -6,6 +6,8 @@ import torch
 
 _SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 _FUSED = ("in_proj_qkvz", "in_proj_ba")
+# the input projections' module names of each layout (GatedDeltaNet's and transformers' blocks alike)
+IN_PROJECTIONS = {"split": _SPLIT, "fused": _FUSED}
 
 
 def load_either_layout(module, state_dict, prefix, *_):

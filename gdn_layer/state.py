@@ -47,14 +47,15 @@ def check_state(state, num_sequences: int, conv_dim: int, kernel_size: int, num_
     for name in ("conv_state", "recurrent_state"):
         if not isinstance(getattr(state, name), torch.Tensor):
             raise TypeError(f"state.{name} must be a torch.Tensor, got {type(getattr(state, name)).__name__}")
+    n_is = "N = number of sequences in this batch: B without cu_seqlens, len(cu_seqlens) - 1 with it"
     want_conv = (num_sequences, conv_dim, kernel_size - 1)
     want_rec = (num_sequences, num_v_heads, head_k_dim, head_v_dim)
     if tuple(state.conv_state.shape) != want_conv:
-        raise ValueError(f"state.conv_state must be [N, conv_dim, W-1] = {want_conv} "
-                         f"(N = number of sequences in this batch: B without cu_seqlens, len(cu_seqlens) - 1 with it), got {tuple(state.conv_state.shape)}")
+        raise ValueError(f"state.conv_state must be [N, conv_dim, W-1] = {want_conv} ({n_is}), "
+                         f"got {tuple(state.conv_state.shape)}")
     if tuple(state.recurrent_state.shape) != want_rec:
-        raise ValueError(f"state.recurrent_state must be [N, Hv, Dk, Dv] = {want_rec} "
-                         f"(N = number of sequences in this batch: B without cu_seqlens, len(cu_seqlens) - 1 with it), got {tuple(state.recurrent_state.shape)}")
+        raise ValueError(f"state.recurrent_state must be [N, Hv, Dk, Dv] = {want_rec} ({n_is}), "
+                         f"got {tuple(state.recurrent_state.shape)}")
     for name, t in (("conv_state", state.conv_state), ("recurrent_state", state.recurrent_state)):
         if dtype is None and t.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"state.{name} must be float32 (float64 with float64 activations), got {t.dtype}")

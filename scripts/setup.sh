@@ -6,15 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 sudo_if_needed() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+# Debian packages, only those missing: MPI, fortunes, and venv's ensurepip (stock Debian / Ubuntu ship python3
+# without it: package python3-venv)
+pkgs=()
 if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1 || [ ! -d /usr/share/games/fortunes ]; then
-  sudo_if_needed apt-get update -q
-  DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -q --no-install-recommends \
-    openmpi-bin libopenmpi-dev fortunes
+  pkgs+=(openmpi-bin libopenmpi-dev fortunes)
 fi
-# stock Debian / Ubuntu ship python3 without venv's ensurepip (package python3-venv)
-if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then
+python3 -c "import ensurepip, venv" >/dev/null 2>&1 || pkgs+=(python3-venv)
+if [ ${#pkgs[@]} -gt 0 ]; then
   sudo_if_needed apt-get update -q
-  DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -q --no-install-recommends python3-venv
+  DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -q --no-install-recommends "${pkgs[@]}"
 fi
 
 echo "setup: .venv (torch 2.13.0 CPU, the project with its test, hf and example extras, fla-core) ..."
