@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gdn_layer import hf_cache
 from gdn_layer.hf_blocks import build, family, is_gated_deltanet_block
 from gdn_layer.hf_packing import (MASK_GIVEN_KEY, POSITION_KEY, packed_cu_seqlens, pass_position_ids, takes,
                                  watch_model_inputs)
@@ -41,6 +42,7 @@ def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group
         TypeError: ``hf_module`` is not a GatedDeltaNet block of a family the adapter converts.
         ValueError: a feature of the block that the copy does not compute (named), or the check failed.
     """
+    hf_cache.warn_if_untested()
     return build(_class_for(hf_module, GatedDeltaNet), hf_module, sp_group=sp_group, backend=backend,
                  cp_group=cp_group)
 
@@ -63,8 +65,13 @@ class HFGatedDeltaNet(GatedDeltaNet):
     ``seq_idx`` / ``position_ids`` are read on the host (a sync on accelerators) once per tensor
     (``cu_cache.derived``), only when they are read and ``T > 1``.
 
+    Under sequence / context parallelism a 2-D ``attention_mask`` is this rank's slice ``[B, T_local]``.
+    With a cache, a call continues each row from the cache and stores its new state there
+    (``gdn_layer/hf_cache.py``: also the states for speculative decoding's rollback in transformers 5.25).
+
     Raises:
-        ValueError: ``seq_idx`` / ``position_ids`` not ``[B, T]`` integers; several sequences in a row
+        ValueError: a 2-D ``attention_mask`` under sequence / context parallelism that is not ``[B, T_local]``
+            (the same on every rank: it depends on shapes only); ``seq_idx`` / ``position_ids`` not ``[B, T]`` integers; several sequences in a row
             together with a cache (it holds one state per row); ``seq_idx`` / ``position_ids`` that
             would be read, under sequence or context parallelism, where only the global
             ``cu_seq_lens_q`` describes boundaries.
@@ -84,6 +91,12 @@ class HFGatedDeltaNet(GatedDeltaNet):
                                 f"block interface does not take (its state lives in the model's cache): call the "
                                 f"GatedDeltaNet directly for {name}")
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if mask is not None and self.sp_size * self.cp_size > 1 and mask.shape[-1] != hidden_states.shape[1]:
+            # shapes only, so every rank raises alike; the last T_local columns of a global mask are rank P-1's
+            raise ValueError(
+                f"attention_mask [B, {mask.shape[-1]}] does not match this rank's {hidden_states.shape[1]} tokens: "
+                f"under sequence / context parallelism pass a 2-D attention_mask as this rank's slice of the global "
+                f"mask (columns rank*T_local:(rank+1)*T_local, like hidden_states)")
         if mask is not None:
             hidden_states = (hidden_states * mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)
         B, T = hidden_states.shape[:2]
@@ -96,17 +109,37 @@ class HFGatedDeltaNet(GatedDeltaNet):
                 return y.reshape(B, T, -1)
         if cache is None:
             return super().forward(hidden_states, cu_seqlens=cu_seqlens)
-        conv, rec = cache.get_conv_state(self.layer_idx), cache.get_recurrent_state(self.layer_idx)
-        state = None
-        if conv is not None and rec is not None:
-            # the layer's state dtype: fp32, or fp64 for an fp64 model (never rounded to fp32)
-            dt = torch.float64 if self.out_proj.weight.dtype == torch.float64 else torch.float32
-            state = GDNState(conv[..., conv.shape[-1] - (self.conv_kernel_size - 1):].to(dt), rec.to(dt))
-        y, new = super().forward(hidden_states, cu_seqlens=cu_seqlens, state=state, output_state=True)
-        cache.update_conv_state(F.pad(new.conv_state, (1, 0)).to(hidden_states.dtype), self.layer_idx,
-                                conv_kernel_size=self.conv_kernel_size)
-        cache.update_recurrent_state(new.recurrent_state, self.layer_idx)
-        return y
+        return self._forward_cached(hidden_states, cache, cu_seqlens)
+
+    def _forward_cached(self, x, cache, cu_seqlens):
+        """Continue each row from the model's cache and store its new state there (``hf_cache``). When
+        transformers records states for speculative decoding (``n = states_to_keep``), the last ``n`` tokens
+        run one at a time after the others, as transformers' block does, so the state after each is kept."""
+        # the layer's state dtype: fp32, or fp64 for an fp64 model (never rounded to fp32)
+        dt = torch.float64 if self.out_proj.weight.dtype == torch.float64 else torch.float32
+        state = hf_cache.read(cache, self.layer_idx, self.conv_kernel_size, dt)
+        T = x.shape[1]
+        n = hf_cache.states_to_keep(cache, self.layer_idx, T)
+        if n and cu_seqlens is not None:
+            raise ValueError("cu_seq_lens_q (a packed batch) with a cache that records states for speculative "
+                             "decoding: the cache holds one state per row; pass one sequence per row")
+        ys, states = [], []
+        if T > n or state is None:
+            head = x[:, :T - n]
+            if head.shape[1] == 0:   # nothing before the recorded tokens and no state yet: the zero state
+                state = GDNState(x.new_zeros(x.shape[0], self.conv_dim, self.conv_kernel_size - 1, dtype=dt),
+                                 x.new_zeros(x.shape[0], self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                             dtype=dt))
+            else:
+                y, state = super().forward(head, cu_seqlens=cu_seqlens, state=state, output_state=True)
+                ys.append(y)
+        states.append(state)
+        for t in range(T - n, T):
+            y, state = super().forward(x[:, t:t + 1], state=state, output_state=True)
+            ys.append(y)
+            states.append(state)
+        hf_cache.write(cache, self.layer_idx, states, T, self.conv_kernel_size, x.dtype)
+        return ys[0] if len(ys) == 1 else torch.cat(ys, 1)
 
     def _packed_cu_seqlens(self, seq_idx, position_ids, B, T, cache):
         """``cu_seqlens`` (CPU int64) of all rows as one pack, or None when every row is one sequence
@@ -211,10 +244,11 @@ def swap_gated_deltanet(model: nn.Module, sp_group=None, backend: str = "auto", 
             adapter does not convert, naming both (e.g. OLMo-Hybrid's separate projections).
     """
     targets = [(name, m) for name, m in model.named_modules() if is_gated_deltanet_block(m)]
+    if targets:
+        hf_cache.warn_if_untested()
     built = []
     for name, m in targets:
         new = build(_class_for(m, HFGatedDeltaNet), m, sp_group=sp_group, backend=backend, cp_group=cp_group)
-        new.layer_idx = m.layer_idx
         new._hf_block_class = type(m)     # for the model's _init_weights (_InitWeightsReachingBlocks)
         built.append((name, new))
     for name, new in built:

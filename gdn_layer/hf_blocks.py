@@ -127,6 +127,8 @@ def build(cls, hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_gr
         module.training = old.training
         if getattr(old, "_is_hf_initialized", False):
             module._is_hf_initialized = True
+    if hasattr(cls, "layer_idx"):   # speaks transformers' block interface: verify runs it from a cache
+        layer.layer_idx = getattr(hf_module, "layer_idx", 0)
     if check:
         verify(layer if layer.sp_size * layer.cp_size == 1 else
                build(cls, hf_module, backend=backend, check=False), hf_module)
@@ -140,12 +142,18 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 def verify(layer: nn.Module, hf_module: nn.Module, length: int = 11) -> None:
     """Run ``layer`` and ``hf_module`` on one random ``[1, length, hidden]`` input (a fixed seed of its
-    own: the caller's random state is untouched) and raise if they differ beyond the dtype's rounding.
-    Skipped when the block's weights hold no values (``meta``: nothing can run).
+    own: the caller's random state is untouched) and raise if they differ beyond the dtype's rounding:
+    one forward, then from a transformers cache a prefill of ``length - 1`` tokens and one decode step
+    (outputs, the stored recurrent state and, where the cache counts them, the tokens seen), and, where the
+    cache records states for speculative decoding (transformers >= 5.25), a 3-token call rolled back by one.
+    ``layer`` continues from the cache through transformers' block interface when it has one
+    (``gdn_layer.hf.HFGatedDeltaNet``), else from a ``GDNState``. Skipped when the block's weights hold no
+    values (``meta``: nothing can run).
 
     Raises:
-        ValueError: naming the family, the block's class and the relative error: the block computes
-            something the conversion does not (a feature this adapter does not know).
+        ValueError: naming the family, the block's class, which check differs and by how much: the block
+            computes something the conversion does not (a feature this adapter does not know), or the
+            installed transformers stores the cache in a way the adapter does not follow.
     """
     p = output_projection(hf_module).weight
     if p.device.type == "meta" or any(t.device.type == "meta" for t in hf_module.parameters()):
@@ -153,14 +161,66 @@ def verify(layer: nn.Module, hf_module: nn.Module, length: int = 11) -> None:
     x = torch.randn(1, length, layer.hidden_size, generator=torch.Generator().manual_seed(0))
     x = x.to(device=p.device, dtype=p.dtype)
     with torch.no_grad():
-        want = hf_module(x).double()
-        got = layer(x).double()
-    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-    if not err <= _tolerance(p.dtype):
-        raise ValueError(
-            f"the {family(hf_module)} block {type(hf_module).__name__} computes something its GatedDeltaNet copy "
-            f"does not (relative difference {err:.3g} on a random input; output gate "
-            f"{getattr(gated_norm(hf_module), 'activation', 'silu')!r}, conv activation "
-            f"{getattr(hf_module, 'activation', 'silu')!r}): this block has a feature the adapter does not "
-            f"support, so it is not replaced")
+        _compare("a forward", layer(x), hf_module(x), hf_module)
+        for what, want, got in _cached_runs(layer, hf_module, x):
+            _compare(what, got, want, hf_module)
 
+
+def _compare(what: str, got: torch.Tensor, want: torch.Tensor, hf_module: nn.Module) -> None:
+    got, want = got.double(), want.double()
+    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    if not err <= _tolerance(output_projection(hf_module).weight.dtype):
+        import transformers
+        raise ValueError(
+            f"the {family(hf_module)} block {type(hf_module).__name__} and its GatedDeltaNet copy differ on {what} "
+            f"(relative difference {err:.3g} on a random input; output gate "
+            f"{getattr(gated_norm(hf_module), 'activation', 'silu')!r}, conv activation "
+            f"{getattr(hf_module, 'activation', 'silu')!r}, transformers {transformers.__version__}): this block has "
+            f"a feature the adapter does not support, or this transformers version keeps its cache in a way the "
+            f"adapter does not follow, so it is not replaced")
+
+
+def _cached_runs(layer: nn.Module, hf_module: nn.Module, x: torch.Tensor):
+    """``(what, block's, copy's)`` tensors of a prefill + decode step from a fresh transformers cache, and of
+    a speculative call rolled back by one token where the cache supports it."""
+    from transformers.cache_utils import Cache, LinearAttentionLayer
+    idx = getattr(hf_module, "layer_idx", 0)
+    speaks_cache = getattr(layer, "layer_idx", None) == idx
+
+    def new_cache():
+        return Cache(layers=[LinearAttentionLayer() for _ in range(idx + 1)])
+
+    def run(module, cache, chunks):
+        if module is layer and not speaks_cache:   # a plain GatedDeltaNet: its own state
+            outs = []
+            for c in chunks:
+                y, cache["state"] = layer(c, state=cache.get("state"), output_state=True)
+                outs.append(y)
+            return torch.cat(outs, 1)
+        return torch.cat([module(c, cache=cache) for c in chunks], 1)
+
+    caches = {}
+    split = (x[:, :-1], x[:, -1:])
+    for name, module in (("block", hf_module), ("copy", layer)):
+        caches[name] = new_cache() if module is hf_module or speaks_cache else {}
+        caches[name, "y"] = run(module, caches[name], split)
+    yield "a prefill and a cached decode step", caches["block", "y"], caches["copy", "y"]
+    if not speaks_cache:
+        return
+    block_cache, copy_cache = caches["block"], caches["copy"]
+    yield ("the recurrent state in the cache", block_cache.get_recurrent_state(idx),
+           copy_cache.get_recurrent_state(idx))
+    if hasattr(block_cache.layers[idx], "get_seq_length"):
+        seen = [float(c.layers[idx].get_seq_length()) for c in (block_cache, copy_cache)]
+        yield "the tokens the cache counts", torch.tensor(seen[:1]), torch.tensor(seen[1:])
+    if not hasattr(block_cache, "get_recurrent_states_to_keep"):
+        return
+    outs = []
+    for module in (hf_module, layer):   # record, verify 3 tokens, reject the last, decode one more
+        cache = new_cache()
+        module(x[:, :-4], cache=cache)
+        cache.activate_past_recording(recurrent_states_to_keep=2)
+        module(x[:, -4:-1], cache=cache)
+        cache.layers[idx].crop(-1)   # (Cache.crop would also crop the unused layers before idx)
+        outs.append(module(x[:, -2:-1], cache=cache))
+    yield "a speculative call rolled back by one token", outs[0], outs[1]

@@ -23,7 +23,13 @@ echo "setup: .venv (torch 2.13.0 CPU, the project with its test, hf and example 
 # torch first, pinned: 2.13.0 is the CPU wheel this machine's pip finds locally; an unpinned
 # torch would pull a multi-GB CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e ".[test,hf,example]"
+# transformers 5.24 in the venv (the newest release the hf extra allows is 5.25, tested beside it below)
+.venv/bin/pip install -q --disable-pip-version-check -e ".[test,hf,example]" "transformers==5.24.0"
+# transformers 5.25 for the adapter's second test run (tests/test_hf*.py, scripts/test.sh), outside the venv's
+# path like fla-site, with the Hugging Face `kernels` package it requires (and its own one dependency missing here)
+[ -d .venv/hf525-site/transformers-5.25.0.dist-info ] && [ -d .venv/hf525-site/kernels ] && [ -d .venv/hf525-site/tomlkit ] \
+  || .venv/bin/pip install -q --disable-pip-version-check --no-deps --upgrade --target .venv/hf525-site \
+       transformers==5.25.0 "kernels>=0.19.1,<0.20" "tomlkit>=0.13.3"
 # fla-core for tests/test_triton_compile.py only, kept out of the venv's site-packages: installed there,
 # transformers would pick fla's CUDA kernels for its own GatedDeltaNet on this CPU machine.
 [ -d .venv/fla-site/fla ] || .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .venv/fla-site fla-core==0.6.0

@@ -1,6 +1,6 @@
-"""Every transformers 5.24 family with a GatedDeltaNet block converted exactly (logits and greedy tokens
-of the unswapped model); a block computing something the conversion does not is caught before anything
-is replaced. Plus the import direction layer -> hf_blocks <- hf."""
+"""Every transformers 5.24 / 5.25 family with a GatedDeltaNet block converted exactly (logits, greedy
+tokens decoded from the cache with their logits, and gradients of the unswapped model); a block computing something the conversion does not
+is caught before anything is replaced. Plus the import direction layer -> hf_blocks <- hf."""
 import ast
 import copy
 import pathlib
@@ -13,7 +13,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")  # the `hf` extra; .ci/run installs it
 
 from gdn_layer.hf import HFGatedDeltaNet, swap_gated_deltanet  # noqa: E402
-from test_hf import COMMON, qwen3_5, rel_err  # noqa: E402
+from test_hf import COMMON, qwen3_5, qwen3_next, rel_err  # noqa: E402
 from test_hf_training import slow_decay  # noqa: E402
 from test_hf_weights import lara_mini  # noqa: E402
 
@@ -44,17 +44,34 @@ def swapped_pair(make):
     return original, swapped
 
 
-@pytest.mark.parametrize("make", [lambda: qwen4_exp("sigmoid"), qwen4_exp, qwen3_5_moe, lara_mini],
-                         ids=["qwen4_exp_sigmoid_gate", "qwen4_exp", "qwen3_5_moe", "lara_mini"])
-def test_family_converts_exactly_logits_and_greedy_tokens(make):
+FAMILIES = {"qwen3_next": qwen3_next, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe, "lara_mini": lara_mini,
+            "qwen4_exp": qwen4_exp, "qwen4_exp_sigmoid_gate": lambda: qwen4_exp("sigmoid"),
+            "olmo_hybrid": olmo_hybrid}
+
+
+@pytest.mark.parametrize("make", FAMILIES.values(), ids=FAMILIES.keys())
+def test_family_converts_exactly_logits_cached_greedy_tokens_and_gradients(make):
     original, swapped = swapped_pair(make)
     assert sum(isinstance(m, HFGatedDeltaNet) for m in swapped.modules()) == 2
     ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(1))
-    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         assert rel_err(swapped(ids).logits, original(ids).logits) <= 1e-5
-        if isinstance(original, transformers.Qwen4ExpForCausalLM):     # (the others' decode: test_hf.py's path)
-            assert torch.equal(swapped.generate(ids, **kw), original.generate(ids, **kw))
+        got, want = swapped.generate(ids, **kw), original.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        assert rel_err(a, b) <= 1e-5
+    for model in (original, swapped):
+        model.zero_grad()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+    grads = dict(original.named_parameters())
+    compared = 0
+    for name, p in swapped.named_parameters():
+        if grads[name].grad is not None:
+            assert rel_err(p.grad, grads[name].grad) <= 1e-5, name
+            compared += ".linear_attn." in name
+    # every GatedDeltaNet parameter of both blocks got its gradient
+    assert compared == sum(len(list(m.parameters())) for m in swapped.modules() if isinstance(m, HFGatedDeltaNet))
 
 
 def test_a_block_computing_something_else_is_refused_before_anything_is_replaced():

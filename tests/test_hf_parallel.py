@@ -109,3 +109,33 @@ def _olmo_under_sp(rank, world):
 def test_olmo_hybrid_block_under_sp_matches_the_block_per_sequence(pool2):
     for sp, err in pool2.run(_olmo_under_sp, timeout=120):
         assert sp == 2 and err <= 1e-5, (sp, err)
+
+
+def _block_with_masks(rank, world):
+    from gdn_layer.hf import from_hf
+    from test_hf_families import olmo_hybrid
+    from test_hf_training import slow_decay
+    torch.manual_seed(0)
+    block = slow_decay(olmo_hybrid()).model.layers[0].linear_attn
+    layer = from_hf(block, sp_group=dist.group.WORLD)
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0                                                  # left padding, across rank 0's slice
+    local = slice(rank * 4, (rank + 1) * 4)
+    try:
+        with torch.no_grad():
+            layer(x[:, local], attention_mask=mask)
+        msg = ""
+    except ValueError as e:
+        msg = str(e)
+    with torch.no_grad():
+        got = layer(x[:, local], attention_mask=mask[:, local])
+        parts = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(parts, got.contiguous())
+        want = block(x, attention_mask=mask)
+    return msg, rel_err(torch.cat(parts, 1), want)
+
+
+def test_a_block_called_directly_under_sp_refuses_the_global_mask_and_takes_the_ranks_slice(pool2):
+    for msg, err in pool2.run(_block_with_masks, timeout=120):
+        assert "this rank's slice" in msg and "attention_mask [B, 8]" in msg and err <= 1e-5, (msg, err)
