@@ -1,13 +1,12 @@
 """transformers adapter: build a GatedDeltaNet from a transformers block, or swap every block of a model.
 
-Tested against transformers 5.24 (the ``hf`` extra pins ``>=5.24,<5.25``); the families converted are
-listed in ``gdn_layer/hf_blocks.py`` and docs/layer.md. The swapped block keeps the
+Tested against transformers 5.24 and 5.25 (the ``hf`` extra allows ``>=5.24,<5.26``; outside that range
+``hf_cache.warn_if_untested`` warns and ``hf_blocks.verify`` checks each copy from a cache); the families
+converted are listed in ``gdn_layer/hf_blocks.py`` and docs/layer.md. The swapped block keeps the
 transformers forward signature ``(hidden_states, cache=None, attention_mask=None, **kwargs)`` and
 reads/writes the model's own cache object through its public linear-attention methods
-(``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``).
-transformers keeps W conv inputs per sequence where ``GDNState`` keeps W-1; the oldest of transformers'
-W is never read by its conv, so the adapter stores it as zero. Speculative decoding's past recording
-(``cache.activate_past_recording``) is not supported.
+(``gdn_layer/hf_cache.py``: conv inputs, recurrent state, 5.25's token count and the states speculative
+decoding rolls back).
 
 Packed batches reach the block as ``cu_seq_lens_q`` (transformers' flash-attention kwargs, exact as
 given), ``seq_idx [B, T]`` or ``position_ids`` that restart inside a row; when each is read follows
@@ -19,7 +18,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gdn_layer import hf_cache
@@ -71,8 +69,9 @@ class HFGatedDeltaNet(GatedDeltaNet):
 
     Raises:
         ValueError: a 2-D ``attention_mask`` under sequence / context parallelism that is not ``[B, T_local]``
-            (the same on every rank: it depends on shapes only); ``seq_idx`` / ``position_ids`` not ``[B, T]`` integers; several sequences in a row
-            together with a cache (it holds one state per row); ``seq_idx`` / ``position_ids`` that
+            (the same on every rank: it depends on shapes only); ``seq_idx`` / ``position_ids`` not ``[B, T]``
+            integers; several sequences in a row together with a cache (it holds one state per row), also as
+            ``cu_seq_lens_q`` while the cache records states for speculative decoding; ``seq_idx`` / ``position_ids`` that
             would be read, under sequence or context parallelism, where only the global
             ``cu_seq_lens_q`` describes boundaries.
     """
