@@ -71,8 +71,8 @@ class HFGatedDeltaNet(GatedDeltaNet):
         ValueError: a 2-D ``attention_mask`` under sequence / context parallelism that is not ``[B, T_local]``
             (the same on every rank: it depends on shapes only); ``seq_idx`` / ``position_ids`` not ``[B, T]``
             integers; several sequences in a row together with a cache (it holds one state per row), also as
-            ``cu_seq_lens_q`` while the cache records states for speculative decoding; ``seq_idx`` / ``position_ids`` that
-            would be read, under sequence or context parallelism, where only the global
+            ``cu_seq_lens_q`` while the cache records states for speculative decoding; ``seq_idx`` /
+            ``position_ids`` that would be read, under sequence or context parallelism, where only the global
             ``cu_seq_lens_q`` describes boundaries.
     """
 

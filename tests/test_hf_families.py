@@ -1,6 +1,7 @@
 """Every transformers 5.24 / 5.25 family with a GatedDeltaNet block converted exactly (logits, greedy
 tokens decoded from the cache with their logits, and gradients of the unswapped model); a block
-computing something the conversion does not is caught before anything is replaced. Plus the import direction layer -> hf_blocks <- hf."""
+computing something the conversion does not is caught before anything is replaced. Plus the import
+direction layer -> hf_blocks <- hf."""
 import ast
 import copy
 import pathlib
