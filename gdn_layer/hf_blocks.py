@@ -184,7 +184,9 @@ def _cached_runs(layer: nn.Module, hf_module: nn.Module, x: torch.Tensor):
     """``(what, block's, copy's)`` tensors of a prefill + decode step from a fresh transformers cache, and of
     a speculative call rolled back by one token where the cache supports it."""
     from transformers.cache_utils import Cache, LinearAttentionLayer
-    idx = getattr(hf_module, "layer_idx", 0)
+    idx = getattr(hf_module, "layer_idx", None)
+    if not isinstance(idx, int):     # a block built without its place in a model cannot use a cache
+        return
     speaks_cache = getattr(layer, "layer_idx", None) == idx
 
     def new_cache():

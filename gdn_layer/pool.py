@@ -1,0 +1,160 @@
+"""A state pool for serving: the rows of one ``GDNState`` read and written in place, one row per sequence.
+
+``layer(x, cu_seqlens=cu, state=pool, state_slots=slots, checkpoint_slots=ck, checkpoint_every=E)``:
+sequence ``i`` starts from row ``slots[i]`` and its state after its last token is written back to that row;
+``slots[i] == -1`` marks a padding sequence (nothing read or written, its outputs zero). With ``ck [N, M]``
+the state after token ``(j + 1) * E`` of sequence ``i`` (counted from its first token in this call) is also
+written to row ``ck[i, j]`` (``-1`` and positions past the sequence's end write nothing).
+
+Nothing here reads a value of ``slots``, ``ck`` or ``cu_seqlens`` on the host (but the value checks: on CPU, or
+with validation switched on, ``kernels.validation.values_checkable``): every index is computed on the
+device with shapes fixed by N, M, E and the number of tokens, so a decode step of fixed N is captured by a
+CUDA graph and replayed with new values. Rows are written by ``index_copy_`` of whole rows; the entries of a
+padding sequence (or an unwritten checkpoint) are sent to the row of a written entry with that entry's value
+(or, when none is written, to row 0 with its own value), so every duplicate index carries the same bytes and
+no other row changes.
+
+Checkpoints run the call in rounds: round ``j < M`` takes tokens ``[j E, (j + 1) E)`` of every sequence as one
+packed batch (static capacity ``N E``, a trailing filler segment), a last round the rest; each round starts
+from the states of the one before, so the results equal one call per sequence (the conv and the delta rule
+restart at each segment boundary and continue from the given states).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gdn_layer.kernels.validation import values_checkable
+from gdn_layer.state import GDNState, check_state
+
+
+@dataclass
+class PoolCall:
+    """One call's view of the pool: ``slots`` int64 ``[N]``, ``ck`` int64 ``[N, M]`` or None, ``every`` = E,
+    ``cu`` int64 ``[N + 1]`` over the flattened tokens."""
+    pool: GDNState
+    slots: torch.Tensor
+    ck: torch.Tensor | None
+    every: int
+    cu: torch.Tensor
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.slots >= 0
+
+
+def check_pool_call(layer, x, cu_seqlens, pool, state_slots, checkpoint_slots, checkpoint_every,
+                    output_state, token_order) -> None:
+    """Raise TypeError / ValueError naming the argument unless the pool call is well formed (before anything
+    is read or written; shapes, dtypes and devices only, never a value on the host)."""
+    if layer.sp_size * layer.cp_size > 1:
+        raise ValueError("state_slots (a state pool) is not supported under sequence or context parallelism: "
+                         "decode runs on one rank (a layer built without sp_group / cp_group, the same weights)")
+    if output_state is not False:
+        raise ValueError("output_state=True with state_slots: the states are written into the pool's rows "
+                         "in place; read them there (pool.recurrent_state[slots])")
+    if token_order is not None:
+        raise ValueError("token_order with state_slots: a state pool serves one rank; pass tokens in order")
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters())):
+        raise ValueError("state_slots (a state pool) is for inference: autograd is recording (grad mode on and "
+                         "hidden_states or a parameter requires grad); call under torch.no_grad() or "
+                         "torch.inference_mode(), or use state= / output_state=True for training")
+    if not isinstance(pool, GDNState):
+        raise TypeError(f"state must be a GDNState pool (layer.new_state(num_slots)) with state_slots, "
+                        f"got {type(pool).__name__}")
+    if not isinstance(pool.recurrent_state, torch.Tensor) or pool.recurrent_state.dim() != 4:
+        raise ValueError("state.recurrent_state must be a [num_slots, Hv, Dk, Dv] tensor (layer.new_state)")
+    check_state(pool, pool.recurrent_state.shape[0], layer.conv_dim, layer.conv_kernel_size, layer.num_v_heads,
+                layer.head_k_dim, layer.head_v_dim, x.device, x.dtype)
+    n = x.shape[0] if cu_seqlens is None else (cu_seqlens.numel() if isinstance(cu_seqlens, torch.Tensor) else 1) - 1
+    _check_index("state_slots", state_slots, (n,), x.device,
+                 "N = B without cu_seqlens, len(cu_seqlens) - 1 with it")
+    if checkpoint_slots is None:
+        return
+    if not isinstance(checkpoint_slots, torch.Tensor) or checkpoint_slots.dim() != 2:
+        raise ValueError("checkpoint_slots must be an int32/int64 [N, M] tensor, got "
+                         + (f"shape {tuple(checkpoint_slots.shape)}" if isinstance(checkpoint_slots, torch.Tensor)
+                            else type(checkpoint_slots).__name__))
+    _check_index("checkpoint_slots", checkpoint_slots, (n, checkpoint_slots.shape[1]), x.device, "N as state_slots")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+        raise TypeError(f"checkpoint_every must be an int, got {type(checkpoint_every).__name__}")
+    if not (checkpoint_every == 1 or (checkpoint_every > 0 and checkpoint_every % 64 == 0)):
+        raise ValueError(f"checkpoint_every must be 1 (speculative decoding) or a positive multiple of 64 "
+                         f"(prefix caching: chunk boundaries), got {checkpoint_every}")
+
+
+def _check_index(name, t, shape, device, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an int32/int64 tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64 (row indices into the pool, -1 = none), got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} ({what}), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but hidden_states is on {device}")
+    if t.numel() and values_checkable(t):   # on CPU, or on an accelerator with validation on (a sync)
+        if (t < -1).any():
+            raise ValueError(f"{name} holds {int(t.min())}: entries are row indices >= 0, or -1 for none")
+        used = t[t >= 0]
+        if name == "state_slots" and used.unique().numel() != used.numel():
+            raise ValueError(f"{name} names a row twice: each sequence needs its own row (-1 = padding)")
+
+
+def pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every) -> PoolCall:
+    """The call's indices as int64 on the device; ``cu`` over the tokens flattened to ``[1, B * T]``."""
+    B, T = x.shape[:2]
+    if cu is None:
+        cu = torch.arange(0, (B + 1) * T, T, device=x.device)
+    ck = None if checkpoint_slots is None else checkpoint_slots.long()
+    return PoolCall(pool, state_slots.long(), ck, checkpoint_every, cu.long())
+
+
+def check_rows_in_range(call: PoolCall) -> None:
+    """Where values are checked (``values_checkable``): every row index below the pool's size."""
+    rows = call.pool.recurrent_state.shape[0]
+    for name, t in (("state_slots", call.slots), ("checkpoint_slots", call.ck)):
+        if t is not None and t.numel() and values_checkable(t) and int(t.max()) >= rows:
+            raise ValueError(f"{name} holds row {int(t.max())}, but the pool has {rows} rows (0 .. {rows - 1})")
+
+
+def gather(call: PoolCall, slots: torch.Tensor | None = None) -> GDNState:
+    """The rows of ``slots`` (default: the call's), zero for -1."""
+    slots = call.slots if slots is None else slots
+    rows = slots.clamp_min(0)
+    keep = (slots >= 0)
+    conv = call.pool.conv_state.index_select(0, rows) * keep[:, None, None]
+    rec = call.pool.recurrent_state.index_select(0, rows) * keep[:, None, None, None]
+    return GDNState(conv, rec)
+
+
+def write_rows(call: PoolCall, rows: torch.Tensor, write: torch.Tensor, state: GDNState) -> None:
+    """``pool[rows[i]] = state[i]`` where ``write[i]``; nothing else changes (module docstring)."""
+    first = write.long().argmax()                   # a written entry, or entry 0 when none is
+    any_write = write[first]
+    target = torch.where(write, rows, rows[first]).clamp_min(0)
+    for pool_t, new in ((call.pool.conv_state, state.conv_state), (call.pool.recurrent_state, state.recurrent_state)):
+        shape = (-1,) + (1,) * (new.dim() - 1)
+        new = new.to(pool_t.dtype)
+        keep = pool_t.index_select(0, target)       # each target row as it is now
+        value = torch.where(write.view(shape), new, torch.where(any_write, new[first].unsqueeze(0), keep))
+        pool_t.index_copy_(0, target, value)
+
+
+def round_index(cu: torch.Tensor, start: torch.Tensor | int, width: int | None, capacity: int):
+    """Tokens ``[start, start + width)`` (``width`` None: to the end) of every sequence, packed: returns
+    ``(src [capacity], taken [capacity] bool, cu_round [N + 2], lengths [N])``. ``src`` indexes the flattened
+    tokens (0 where not ``taken``); segment ``N`` of ``cu_round`` is the filler up to ``capacity``."""
+    lengths_all = cu[1:] - cu[:-1]
+    lengths = (lengths_all - start).clamp_min(0)
+    if width is not None:
+        lengths = lengths.clamp_max(width)
+    ends = lengths.cumsum(0)
+    pos = torch.arange(capacity, device=cu.device)
+    seg = torch.searchsorted(ends, pos, right=True)            # N for the filler
+    taken = seg < lengths.numel()
+    seg_c = seg.clamp_max(lengths.numel() - 1)
+    offset = pos - (ends[seg_c] - lengths[seg_c])
+    src = torch.where(taken, cu[:-1][seg_c] + start + offset, torch.zeros_like(pos))
+    cu_round = torch.cat([cu.new_zeros(1), ends, cu.new_full((1,), capacity)])
+    return src, taken, cu_round, lengths
