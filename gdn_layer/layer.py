@@ -9,10 +9,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from gdn_layer import hf_blocks, kernels
-from gdn_layer.checks import check_config, check_inputs, positive_int
+from gdn_layer.checks import check_config, check_inputs
 from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.derived import derived_from_sizes
-from gdn_layer.in_projection import two_projections
+from gdn_layer.in_projection import plain_linear, two_projections
 from gdn_layer.kernels import (causal_conv1d, causal_conv1d_gate, chunk_gated_delta_rule, gdn_gate,
                                recurrent_gated_delta_rule)
 from gdn_layer.kernels.registry import conv_fuses_l2norm
@@ -20,7 +20,7 @@ from gdn_layer.kernels.validation import skip_value_checks
 from gdn_layer.norm import GatedRMSNorm
 from gdn_layer.parallel import (gather_heads, head_to_seq, partition_heads, project_seq_to_head, resolve_sp_group,
                                 seq_to_head)
-from gdn_layer.pool import check_pool_call, check_rows_in_range, gather, pool_call, round_index, write_rows
+from gdn_layer.pool import forward_pool, new_pool
 from gdn_layer.projection_layouts import load_either_layout
 from gdn_layer.state import GDNState, state_for_autograd
 from gdn_layer.token_order import fragment_token_mix, to_held_order, to_original_order
@@ -30,16 +30,6 @@ from gdn_layer.submodules import conv_weight
 def _is_decode(x: torch.Tensor, cu) -> bool:
     """At most one token per sequence (``B * T <= N``): the decode path (recurrent kernel, one conv)."""
     return x.shape[0] * x.shape[1] <= (x.shape[0] if cu is None else cu.numel() - 1)
-
-
-def _plain_linear(m: nn.Module) -> bool:
-    """A bias-free ``nn.Linear`` itself, whose weight may be used directly: no subclass, no ``forward``
-    replaced on the instance (accelerate-style wrapping), no forward or backward hook of its own or global."""
-    g = nn.modules.module
-    return (type(m) is nn.Linear and m.bias is None and "forward" not in m.__dict__
-            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-            and not (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
-                     or g._global_backward_pre_hooks))
 
 
 class GatedDeltaNet(nn.Module):
@@ -230,26 +220,19 @@ class GatedDeltaNet(nn.Module):
                 rank 0 of 1) holds entries ``i*T/P .. (i+1)*T/P`` and gets its output at the same positions;
                 ``cu_seqlens`` and ``state`` stay in the original order. Any permutation under SP alone; with
                 ``cp_group`` at most ``2N + 2`` fragments per cp rank (gdn_layer/token_order.py).
-            state_slots: int32/int64 ``[N]`` on the input's device, with ``state`` a pool
-                (``new_state(num_slots)``): sequence i starts from row ``state_slots[i]`` of the pool and its
-                final state is written back there in place; -1 = a padding sequence (nothing read or written,
-                its outputs zero). Inference only; one rank (gdn_layer/pool.py, docs/layer.md "State pool").
-            checkpoint_slots: int32/int64 ``[N, M]`` or None, with ``state_slots``: the state after token
-                ``(j + 1) * checkpoint_every`` of sequence i is also written to row ``checkpoint_slots[i, j]``
-                (-1 and positions past the sequence's end write nothing).
-            checkpoint_every: E, 1 (speculative decoding) or a multiple of 64 (prefix caching).
+            state_slots, checkpoint_slots, checkpoint_every: serve from a pool ``state = new_state(num_slots)``,
+                rows read and written in place; inference only, one rank (gdn_layer/pool.py, docs/layer.md).
 
         Returns:
-            ``y [B, T_local, hidden]`` in the activation dtype, or ``(y, GDNState)`` if ``output_state``
-            (not with ``state_slots``: the states are in the pool).
+            ``y [B, T_local, hidden]`` in the activation dtype, or ``(y, GDNState)`` if ``output_state``.
 
         Raises:
             TypeError / ValueError naming the argument, before any kernel launch or collective (under SP,
             with value checks on, every rank raises together after one small all-reduce).
         """
         if state_slots is not None or checkpoint_slots is not None:   # serving: a state pool, rows in place
-            return self._forward_pool(hidden_states, cu_seqlens, state, output_state, token_order, state_slots,
-                                      checkpoint_slots, checkpoint_every)
+            return forward_pool(self, hidden_states, cu_seqlens, state, output_state, token_order, state_slots,
+                                checkpoint_slots, checkpoint_every)
         graphed = self._graphed   # make_graphed_layers: a call of the captured capacity replays (gdn_layer/graphed.py)
         if graphed is not None and graphed.applies(self, hidden_states, cu_seqlens, state, output_state, token_order):
             return graphed(self, hidden_states, cu_seqlens)
@@ -280,70 +263,10 @@ class GatedDeltaNet(nn.Module):
         return y, self._full_state(conv_state, recurrent_state)
 
     def new_state(self, num_slots: int) -> GDNState:
-        """A state pool of ``num_slots`` zero rows for ``forward(..., state=pool, state_slots=...)``:
-        ``conv_state [num_slots, conv_dim, W - 1]``, ``recurrent_state [num_slots, Hv, Dk, Dv]``, float32
-        (float64 for a float64 layer), on the layer's device. A zero row is "no state" (a new sequence).
-
-        Raises:
-            TypeError / ValueError: ``num_slots`` not a positive int.
-        """
-        num_slots = positive_int("num_slots", num_slots)
-        dt = torch.float64 if self.out_proj.weight.dtype == torch.float64 else torch.float32
-        kw = {"device": self.A_log.device, "dtype": dt}
-        return GDNState(torch.zeros(num_slots, self.conv_dim, self.conv_kernel_size - 1, **kw),
-                        torch.zeros(num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim, **kw))
-
-    def _forward_pool(self, x, cu_seqlens, pool, output_state, token_order, state_slots, checkpoint_slots,
-                      checkpoint_every):
-        """``forward`` from and into a state pool (gdn_layer/pool.py): the same dataflow, each sequence's
-        state gathered from its row and written back in place; with checkpoints, in rounds."""
-        if state_slots is None:
-            raise ValueError("checkpoint_slots needs state_slots (and state=pool): checkpoints are pool rows")
-        check_pool_call(self, x, cu_seqlens, pool, state_slots, checkpoint_slots, checkpoint_every,
-                        output_state, token_order)
-        cu, _ = check_inputs(self, x, cu_seqlens, None, False)
-        call = pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every)
-        check_rows_in_range(call)
-        B, T = x.shape[:2]
-        mixed, z = self._project(x)
-        mixed = mixed.reshape(1, B * T, -1)        # B rows are B sequences of call.cu
-        state = gather(call)
-        if call.ck is None:
-            o, state = self._mix_from(mixed, call.cu, state)
-        else:
-            o, state = self._mix_in_rounds(mixed, call, state)
-        write_rows(call, call.slots, call.valid, state)
-        token_valid = call.valid[torch.searchsorted(call.cu[1:], torch.arange(B * T, device=x.device), right=True)]
-        o = o * token_valid[None, :, None, None]   # a padding sequence's outputs are zero
-        o = self.norm(o.reshape(B, T, self.num_v_heads, self.head_v_dim), z)
-        return self.out_proj(o.flatten(2))
-
-    def _mix_from(self, mixed, cu, state: GDNState):
-        """Conv, gate and delta rule of packed ``mixed [1, T, ...]`` from ``state`` (one row per segment):
-        ``(o [1, T, Hv, Dv], final GDNState)``."""
-        q, k, v, g, beta, conv_state = self._conv_gate(mixed, cu, state.conv_state, True)
-        o, recurrent_state = self._delta_rule(q, k, v, g, beta, cu, state.recurrent_state, True)
-        return o, GDNState(conv_state.to(state.conv_state.dtype), recurrent_state)
-
-    def _mix_in_rounds(self, mixed, call, state: GDNState):
-        """Round j < M: tokens ``[j E, (j + 1) E)`` of every sequence, then the rest, each round from the
-        states of the one before; after round j the states of sequences that reached ``(j + 1) E`` tokens go
-        to their checkpoint rows (gdn_layer/pool.py)."""
-        N, M, E = call.slots.numel(), call.ck.shape[1], call.every
-        total = mixed.shape[1]
-        o_all = mixed.new_zeros(total + 1, self.num_v_heads, self.head_v_dim)    # + a row for filler tokens
-        for j in range(M + 1):
-            last = j == M
-            src, taken, cu_round, lengths = round_index(call.cu, j * E, None if last else E, total if last else N * E)
-            filler = GDNState(torch.cat([state.conv_state, state.conv_state[:1] * 0]),
-                              torch.cat([state.recurrent_state, state.recurrent_state[:1] * 0]))
-            o, new = self._mix_from(mixed[:, src], cu_round, filler)
-            o_all.index_copy_(0, torch.where(taken, src, total), o[0].to(o_all.dtype))
-            state = GDNState(new.conv_state[:N], new.recurrent_state[:N])
-            if not last:
-                ck = call.ck[:, j]
-                write_rows(call, ck, (ck >= 0) & call.valid & (lengths == E), state)
-        return o_all[:total][None], state
+        """A state pool of ``num_slots`` zero rows (float32; float64 for a float64 layer) on the layer's device,
+        for ``forward(..., state=pool, state_slots=...)`` (gdn_layer/pool.py). Raises TypeError / ValueError:
+        ``num_slots`` not a positive int."""
+        return new_pool(self, num_slots)
 
     # ----------------------------------------------------------------------------------------------
     # forward helpers
@@ -362,7 +285,7 @@ class GatedDeltaNet(nn.Module):
         if self.projection_layout == "split":
             parts = (self.in_proj_qkv, self.in_proj_a, self.in_proj_b)
             as_z = lambda t: t.reshape(*x.shape[:2], Hv, Dv)   # noqa: E731
-            if all(_plain_linear(m) for m in parts) and len({(m.weight.dtype, m.weight.device) for m in parts}) == 1:
+            if all(plain_linear(m) for m in parts) and len({(m.weight.dtype, m.weight.device) for m in parts}) == 1:
                 # the weights' concatenation is ~(conv_dim + 2 Hv) x hidden elements, small next to the
                 # activations: one GEMM into the [qkv | a | b] buffer, or under SP straight into the
                 # all-to-all's send buffer (project_seq_to_head: no activation-sized copy either way)
@@ -370,7 +293,7 @@ class GatedDeltaNet(nn.Module):
                 if self.sp_size > 1:
                     return project_seq_to_head(x, weight, self._feature_index(x.device), self.sp_group), \
                         as_z(self.in_proj_z(x))
-                if _plain_linear(self.in_proj_z):
+                if plain_linear(self.in_proj_z):
                     # x's two input gradients summed inside the backward's GEMMs (gdn_layer/in_projection.py)
                     mixed, z = two_projections(x, weight, self.in_proj_z.weight)
                     return mixed, as_z(z)

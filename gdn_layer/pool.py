@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gdn_layer.checks import check_inputs, positive_int
 from gdn_layer.kernels.validation import values_checkable
 from gdn_layer.state import GDNState, check_state
 
@@ -158,3 +159,67 @@ def round_index(cu: torch.Tensor, start: torch.Tensor | int, width: int | None, 
     src = torch.where(taken, cu[:-1][seg_c] + start + offset, torch.zeros_like(pos))
     cu_round = torch.cat([cu.new_zeros(1), ends, cu.new_full((1,), capacity)])
     return src, taken, cu_round, lengths
+
+
+def new_pool(layer, num_slots: int) -> GDNState:
+    """``layer.new_state(num_slots)``: zero rows, float32 (float64 for a float64 layer), on the layer's device."""
+    num_slots = positive_int("num_slots", num_slots)
+    kw = {"device": layer.A_log.device,
+          "dtype": torch.float64 if layer.out_proj.weight.dtype == torch.float64 else torch.float32}
+    return GDNState(torch.zeros(num_slots, layer.conv_dim, layer.conv_kernel_size - 1, **kw),
+                    torch.zeros(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, **kw))
+
+
+def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_slots, checkpoint_slots,
+                 checkpoint_every):
+    """``layer.forward`` from and into a state pool: the layer's dataflow, each sequence's state gathered from
+    its row and written back in place; with checkpoints, in rounds (module docstring)."""
+    if state_slots is None:
+        raise ValueError("checkpoint_slots needs state_slots (and state=pool): checkpoints are pool rows")
+    check_pool_call(layer, x, cu_seqlens, pool, state_slots, checkpoint_slots, checkpoint_every,
+                    output_state, token_order)
+    cu, _ = check_inputs(layer, x, cu_seqlens, None, False)
+    call = pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every)
+    check_rows_in_range(call)
+    B, T = x.shape[:2]
+    mixed, z = layer._project(x)
+    mixed = mixed.reshape(1, B * T, -1)        # B rows are B sequences of call.cu
+    state = gather(call)
+    if call.ck is None:
+        o, state = _mix_from(layer, mixed, call.cu, state)
+    else:
+        o, state = _mix_in_rounds(layer, mixed, call, state)
+    write_rows(call, call.slots, call.valid, state)
+    token_valid = call.valid[torch.searchsorted(call.cu[1:], torch.arange(B * T, device=x.device), right=True)]
+    o = o * token_valid[None, :, None, None]   # a padding sequence's outputs are zero
+    o = layer.norm(o.reshape(B, T, layer.num_v_heads, layer.head_v_dim), z)
+    return layer.out_proj(o.flatten(2))
+
+
+def _mix_from(layer, mixed, cu, state: GDNState):
+    """Conv, gate and delta rule of packed ``mixed [1, T, ...]`` from ``state`` (one row per segment):
+    ``(o [1, T, Hv, Dv], final GDNState)``."""
+    q, k, v, g, beta, conv_state = layer._conv_gate(mixed, cu, state.conv_state, True)
+    o, recurrent_state = layer._delta_rule(q, k, v, g, beta, cu, state.recurrent_state, True)
+    return o, GDNState(conv_state.to(state.conv_state.dtype), recurrent_state)
+
+
+def _mix_in_rounds(layer, mixed, call: PoolCall, state: GDNState):
+    """Round j < M: tokens ``[j E, (j + 1) E)`` of every sequence, then the rest, each round from the states
+    of the one before; after round j the states of sequences that reached ``(j + 1) E`` tokens go to their
+    checkpoint rows."""
+    N, M, E = call.slots.numel(), call.ck.shape[1], call.every
+    total = mixed.shape[1]
+    o_all = mixed.new_zeros(total + 1, layer.num_v_heads, layer.head_v_dim)    # + a row for filler tokens
+    for j in range(M + 1):
+        last = j == M
+        src, taken, cu_round, lengths = round_index(call.cu, j * E, None if last else E, total if last else N * E)
+        with_filler = GDNState(torch.cat([state.conv_state, state.conv_state[:1] * 0]),
+                               torch.cat([state.recurrent_state, state.recurrent_state[:1] * 0]))
+        o, new = _mix_from(layer, mixed[:, src], cu_round, with_filler)
+        o_all.index_copy_(0, torch.where(taken, src, total), o[0].to(o_all.dtype))
+        state = GDNState(new.conv_state[:N], new.recurrent_state[:N])
+        if not last:
+            ck = call.ck[:, j]
+            write_rows(call, ck, (ck >= 0) & call.valid & (lengths == E), state)
+    return o_all[:total][None], state

@@ -7,7 +7,7 @@ Those raise, naming ``conv1d``, instead of being ignored. accelerate's hooks (``
 disk offload, device alignment) are honoured: the weight is read between the hook's ``pre_forward``
 (which restores it) and ``post_forward`` (which may offload it again), as transformers'
 ``force_accelerate_hooks`` does for its own block. The projections, ``norm`` and ``out_proj`` are
-called as modules whenever anything wraps them (``layer._plain_linear``), so their hooks run as usual.
+called as modules whenever anything wraps them (``in_projection.plain_linear``), so their hooks run as usual.
 Global module hooks (``torch.nn.modules.module.register_module_forward_hook``) are not checked: they
 do not see ``conv1d`` run.
 """

@@ -8,7 +8,7 @@ shows it on a GPU; ``tests/test_triton_compile.py`` on CPU with Triton's real co
 The flag combinations: packed (``cu_seqlens``) and dense ``[B, T]`` inputs (the compiled CUDA backends
 run a dense batch as a pack of B sequences, so for their chunk kernels this is one variant); with and
 without an initial state and a returned state; the decode path (one token per sequence, the recurrent
-kernel); each forward and backward. A backend that picks a compiled variant from the number of
+kernel); each forward and backward; the serving pool's decode and verify calls (``state_slots``). A backend that picks a compiled variant from the number of
 sequences (FlashQLA's V block: ``Backend.warmup_sequence_counts``) also gets one pack per such count. A
 backend whose calls inside a CUDA graph capture take other kernels (FlashQLA hands the chunk op to fla
 there: ``Backend.as_in_capture``) runs the packed training calls once more that way ("captured" jobs), so a
@@ -99,6 +99,9 @@ def _jobs(layer, include_decode: bool, include_states: bool) -> list[tuple]:
         jobs += [("captured", 2, st, out, True) for st, out in combos]
     if include_decode and include_states and layer.sp_size * cp == 1:   # decode: T = N is not split across ranks
         jobs += [("decode", 3, True, out, grad) for grad in (False, True) for out in (True, False)]
+        # the serving pool (gdn_layer/pool.py): a decode step with a padding row, and a verify call with
+        # checkpoints after every token (its rounds run the decode path); inference only
+        jobs += [("pool", 3, True, False, False)]
     return jobs
 
 
@@ -148,6 +151,9 @@ def _run_job_list(layer, dtype, jobs) -> None:
 
     as_in_capture = getattr(_backend(layer), "as_in_capture", None) or contextlib.nullcontext
     for kind, n, st, out_state, grad in jobs:
+        if kind == "pool":
+            _run_pool_job(layer, n, randn, dtype, autocast)
+            continue
         in_capture = as_in_capture() if kind == "captured" else contextlib.nullcontext()
         if kind == "decode":                 # one token per sequence, not split across ranks
             B, T_local, cu = 1, n, torch.arange(n + 1, device=device)
@@ -166,6 +172,20 @@ def _run_job_list(layer, dtype, jobs) -> None:
             if grad:
                 loss = y.float().square().mean() + (0 if new is None else new.recurrent_state.square().mean())
                 torch.autograd.grad(loss, [x, *params], allow_unused=True)
+
+
+def _run_pool_job(layer, n, randn, dtype, autocast) -> None:
+    """A pooled decode step of ``n`` sequences (one of them padding) and a verify call of 2 tokens per
+    sequence with a checkpoint after each (``forward(state=pool, state_slots=...)``), under no_grad."""
+    device = layer.out_proj.weight.device
+    pool = layer.new_state(3 * n)
+    slots = torch.arange(n, device=device)
+    slots[1] = -1
+    ck = torch.arange(n, 3 * n, device=device).reshape(n, 2)
+    with torch.no_grad(), autocast:
+        layer(randn(n, 1, layer.hidden_size, dtype=dtype), state=pool, state_slots=slots)
+        layer(randn(1, 2 * n, layer.hidden_size, dtype=dtype), cu_seqlens=torch.arange(0, 2 * n + 1, 2, device=device),
+              state=pool, state_slots=slots, checkpoint_slots=ck, checkpoint_every=1)
 
 
 def _default_workers() -> int:

@@ -230,7 +230,7 @@ def test_warmup_children_run_their_share_and_a_failing_child_is_only_logged(capl
     wmod = importlib.import_module("gdn_layer.kernels.warmup")
     layer = GatedDeltaNet(32, 1, 2, 8, 8, backend="torch")
     jobs = wmod._jobs(layer, include_decode=True, include_states=True)
-    assert {j[0] for j in jobs} == {"packed", "dense", "decode"}
+    assert {j[0] for j in jobs} == {"packed", "dense", "decode", "pool"}
     spec = {"args": [32, 1, 2, 8, 8], "kwargs": {"backend": "torch"}, "param_dtype": "float32",
             "dtype": "float32", "device": "cpu"}
     with caplog.at_level(logging.WARNING, logger="gdn_layer.kernels"):
@@ -372,14 +372,14 @@ def test_warmup_children_build_the_other_calls_and_are_waited_for_only_when_cach
     assert jobs[0][0] == "packed" and dense > 0
     monkeypatch.setattr(wmod, "COLD_FIRST_CALL_S", 1e9)                 # warm: the first call is quick
     warmup(layer, workers=3)
-    assert events == [("children", ["decode", "dense", "packed"], n - 1, 3), ("run", 1), ("finish", False),
+    assert events == [("children", ["decode", "dense", "packed", "pool"], n - 1, 3), ("run", 1), ("finish", False),
                       ("run", n - 1), ("finish", False)]
     events.clear()
     monkeypatch.setattr(wmod, "COLD_FIRST_CALL_S", 0.0)                 # cold
     torch_b = registry.backend_by_name("torch")
     monkeypatch.setattr(wmod, "_backend", lambda layer: dataclasses.replace(torch_b, dense_as_packed=True))
     warmup(layer, workers=3)
-    assert events == [("children", ["decode", "packed"], n - 1 - dense, 3), ("run", 1), ("finish", True),
+    assert events == [("children", ["decode", "packed", "pool"], n - 1 - dense, 3), ("run", 1), ("finish", True),
                       ("run", n - 1), ("finish", False)]
 
 
