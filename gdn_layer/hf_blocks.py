@@ -14,9 +14,13 @@ into a class with its parameter names (``gdn_layer.hf.HFOlmoHybridGatedDeltaNet`
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
+TESTED = ((5, 24), (5, 26))      # the transformers versions the adapter is tested with: >= 5.24, < 5.26
+TESTED_TEXT = ">=5.24,<5.26"
 SUPPORTED = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lara_mini", "qwen4_exp", "olmo_hybrid")
 OLMO_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj")
 
@@ -160,10 +164,23 @@ def verify(layer: nn.Module, hf_module: nn.Module, length: int = 11) -> None:
         return
     x = torch.randn(1, length, layer.hidden_size, generator=torch.Generator().manual_seed(0))
     x = x.to(device=p.device, dtype=p.dtype)
-    with torch.no_grad():
+    with torch.no_grad(), _quiet_transformers():
         _compare("a forward", layer(x), hf_module(x), hf_module)
         for what, want, got in _cached_runs(layer, hf_module, x):
             _compare(what, got, want, hf_module)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' logging at error level while the check runs its blocks: their notices (a fallback kernel
+    "falling back to its reference PyTorch implementation") would read as if the swapped model ran them."""
+    from transformers.utils import logging
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
 
 
 def _compare(what: str, got: torch.Tensor, want: torch.Tensor, hf_module: nn.Module) -> None:
@@ -177,7 +194,9 @@ def _compare(what: str, got: torch.Tensor, want: torch.Tensor, hf_module: nn.Mod
             f"{getattr(gated_norm(hf_module), 'activation', 'silu')!r}, conv activation "
             f"{getattr(hf_module, 'activation', 'silu')!r}, transformers {transformers.__version__}): this block has "
             f"a feature the adapter does not support, or this transformers version keeps its cache in a way the "
-            f"adapter does not follow, so it is not replaced")
+            f"adapter does not follow, so it is not replaced. gdn_layer.hf is tested with transformers "
+            f"{TESTED_TEXT}: under another version install one of those (pip install 'transformers{TESTED_TEXT}'), "
+            f"else report the block and this message")
 
 
 def _cached_runs(layer: nn.Module, hf_module: nn.Module, x: torch.Tensor):

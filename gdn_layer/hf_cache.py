@@ -25,10 +25,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from gdn_layer.hf_blocks import TESTED, TESTED_TEXT
 from gdn_layer.state import GDNState
 
-TESTED = ((5, 24), (5, 26))      # transformers versions >= 5.24, < 5.26
-TESTED_TEXT = ">=5.24,<5.26"
 _warned = False
 
 
