@@ -63,13 +63,16 @@ class DecodeGraph:
         Raises:
             ValueError / TypeError: shapes, dtypes or devices that differ from the capture's.
         """
-        n = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 3 else -1
-        if not isinstance(x, torch.Tensor) or tuple(x.shape[1:]) != tuple(self.x.shape[1:]) or not 0 < n <= self.max_num_seqs:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        n = x.shape[0] if x.dim() == 3 else -1
+        if tuple(x.shape[1:]) != tuple(self.x.shape[1:]) or not 0 < n <= self.max_num_seqs:
             raise ValueError(f"x must be [n, 1, {self.x.shape[-1]}] with 0 < n <= max_num_seqs = {self.max_num_seqs}, "
-                             f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+                             f"got {tuple(x.shape)}")
         if x.dtype != self.x.dtype or x.device != self.x.device:
             raise TypeError(f"x must be {self.x.dtype} on {self.x.device} (as captured), got {x.dtype} on {x.device}")
-        if not isinstance(slots, torch.Tensor) or tuple(slots.shape) != (n,) or slots.dtype not in (torch.int32, torch.int64):
+        if (not isinstance(slots, torch.Tensor) or tuple(slots.shape) != (n,)
+                or slots.dtype not in (torch.int32, torch.int64)):
             raise ValueError(f"slots must be an int32/int64 [{n}] tensor (one pool row per sequence, -1 = padding)")
         if slots.device != self.x.device:
             raise ValueError(f"slots is on {slots.device} but the graph runs on {self.x.device}")

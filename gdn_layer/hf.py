@@ -89,7 +89,13 @@ class HFGatedDeltaNet(GatedDeltaNet):
                 raise TypeError(f"{name} is an argument of gdn_layer.GatedDeltaNet.forward, which the transformers "
                                 f"block interface does not take (its state lives in the model's cache): call the "
                                 f"GatedDeltaNet directly for {name}")
-        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            got = getattr(attention_mask, "shape", type(attention_mask).__name__)
+            raise ValueError(
+                "attention_mask of a linear-attention block must be a 2-D [B, T] padding mask (1 = token, 0 = padding) "
+                f"or None, got {tuple(got) if isinstance(got, torch.Size) else got}: transformers' models hand their "
+                "GatedDeltaNet blocks the 2-D mask (or None), never a 4-D one")
+        mask = attention_mask
         if mask is not None and self.sp_size * self.cp_size > 1 and mask.shape[-1] != hidden_states.shape[1]:
             # shapes only, so every rank raises alike; the last T_local columns of a global mask are rank P-1's
             raise ValueError(

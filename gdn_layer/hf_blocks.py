@@ -57,6 +57,9 @@ def hf_sizes(hf_module: nn.Module) -> dict:
             activation other than SiLU, a conv or projection bias, an output gate other than SiLU / sigmoid.
     """
     fam = family(hf_module)
+    if type(hf_module).__module__.startswith("gdn_layer"):
+        raise TypeError(f"hf_module is already a gdn_layer {type(hf_module).__name__} (a converted block): use it "
+                        "as it is, or copy.deepcopy it; from_hf converts transformers blocks")
     if hasattr(hf_module, "in_proj_qkvz"):
         layout, projections = "fused", ("in_proj_qkvz", "in_proj_ba")
     elif hasattr(hf_module, "in_proj_qkv"):

@@ -46,27 +46,44 @@ def warn_if_untested() -> bool:
     return inside
 
 
+def recording(cache, layer_idx: int) -> bool:
+    """Whether the cache records this layer's states for a later ``crop`` (speculative decoding, 5.25: a
+    list of recurrent states is taken only where ``get_recurrent_states_to_keep`` exists)."""
+    return (hasattr(cache, "get_recurrent_states_to_keep") and hasattr(cache, "is_recording_past")
+            and bool(cache.is_recording_past(layer_idx)))
+
+
 def states_to_keep(cache, layer_idx: int, length: int) -> int:
-    """How many states after single tokens to hand the cache from a call of ``length`` tokens: 0 unless it
-    records for speculative decoding (5.25), else one more than ``get_recurrent_states_to_keep`` (at most
-    ``length``).
+    """How many of a call's last tokens to run one at a time, so that the state after each is known: 0 unless
+    the cache records (``recording``), else one more than ``get_recurrent_states_to_keep`` (at most ``length``).
 
     One more than transformers' own block keeps: a verify call runs the ``k`` drafts plus the token before
     them, and when all ``k`` drafts are rejected, ``crop(-k)`` must restore the state after that first token;
     with only ``k`` states kept, transformers 5.25's block restores the state from before the call, and its
     assisted / prompt-lookup decoding then departs from plain greedy decoding (docs/layer.md)."""
-    ask = getattr(cache, "get_recurrent_states_to_keep", None)
-    keep = int(ask(layer_idx) or 0) if ask is not None else 0
-    return min(keep + 1, length) if keep else 0
+    if not recording(cache, layer_idx):
+        return 0
+    return min(int(cache.get_recurrent_states_to_keep(layer_idx) or 0) + 1, length)
 
 
 def read(cache, layer_idx: int, kernel_size: int, dtype: torch.dtype) -> GDNState | None:
     """The ``GDNState`` (in ``dtype``) the cache holds for layer ``layer_idx``, or None before its first call.
     A recorded conv history shorter than ``W - 1`` inputs (a short first call while recording) is
-    left-padded with zeros, as transformers' conv pads it."""
+    left-padded with zeros, as transformers' conv pads it.
+
+    Raises:
+        ValueError: the cache was rolled back to a token whose state was not recorded (``write``).
+    """
     conv, rec = cache.get_conv_state(layer_idx), cache.get_recurrent_state(layer_idx)
     if conv is None or rec is None:
         return None
+    if getattr(rec, _UNRECORDED, False):
+        raise ValueError(
+            f"the cache of layer {layer_idx} was rolled back (crop) further than the states recorded for speculative "
+            f"decoding reach: transformers asked each call to keep {cache.get_recurrent_states_to_keep(layer_idx)} "
+            f"states (activate_past_recording(recurrent_states_to_keep=k)), and the swapped block keeps k + 1; the "
+            f"state at the token rolled back to was never computed (transformers' own block raises IndexError "
+            f"here). Record at least as many states as tokens are rolled back")
     keep = kernel_size - 1
     conv = conv[..., max(conv.shape[-1] - keep, 0):]
     if conv.shape[-1] < keep:
@@ -74,25 +91,40 @@ def read(cache, layer_idx: int, kernel_size: int, dtype: torch.dtype) -> GDNStat
     return GDNState(conv.to(dtype), rec.to(dtype))
 
 
+# attribute of the stand-in recurrent state for a token whose state a recorded call did not compute
+_UNRECORDED = "_gdn_layer_unrecorded"
+
+
 def write(cache, layer_idx: int, states: list[GDNState], length: int, kernel_size: int,
           activation_dtype: torch.dtype) -> None:
     """Store the states of a call of ``length`` tokens as transformers' own block would.
 
     ``states``: ``[final]`` when ``states_to_keep`` was 0; else ``n + 1`` states: after token ``length - n``
-    (the state before the call when ``n == length``), then after each of the last ``n`` tokens.
+    (the state before the call when ``n == length``), then after each of the last ``n`` tokens. A recording
+    cache gets one recurrent state per token of the call, as ``crop(-j)`` indexes them: the states of tokens
+    before ``length - n`` are one shared stand-in (NaN, marked) that ``read`` refuses if a rollback restores it;
+    and all ``length`` conv inputs (those never read again as zeros), so ``crop`` slices the history right.
     """
     n = len(states) - 1
-    recording = cache.is_recording_past(layer_idx) if hasattr(cache, "is_recording_past") else False
+    recording_ = n > 0 or recording(cache, layer_idx)
     # conv inputs of the last W - 1 + n tokens: the first state's W - 1, then the newest input of each later one
     columns = torch.cat([states[0].conv_state] + [s.conv_state[..., -1:] for s in states[1:]], -1)
-    if recording:   # only the inputs of this call; the cache appends them to its history
-        handed = columns[..., max(columns.shape[-1] - length, 0):]
-    else:           # the W the cache keeps: the oldest is never read
+    if recording_:   # this call's inputs, one per token; the cache appends them to its history
+        known = columns[..., max(columns.shape[-1] - length, 0):]
+        handed = F.pad(known, (length - known.shape[-1], 0))
+    else:            # the W the cache keeps: the oldest is never read
         handed = F.pad(columns[..., columns.shape[-1] - (kernel_size - 1):], (1, 0))
     cache.update_conv_state(handed.to(activation_dtype), layer_idx, conv_kernel_size=kernel_size)
     _count(cache, layer_idx, length - handed.shape[-1])
-    cache.update_recurrent_state(states[-1].recurrent_state if n == 0 else [s.recurrent_state for s in states[1:]],
-                                 layer_idx)
+    if n == 0:
+        cache.update_recurrent_state(states[-1].recurrent_state, layer_idx)
+        return
+    recorded = [s.recurrent_state for s in (states[1:] if n == length else states)]
+    if len(recorded) < length:
+        stand_in = torch.full_like(recorded[0], float("nan"))
+        setattr(stand_in, _UNRECORDED, True)
+        recorded = [stand_in] * (length - len(recorded)) + recorded
+    cache.update_recurrent_state(recorded, layer_idx)
 
 
 def _count(cache, layer_idx: int, tokens: int) -> None:

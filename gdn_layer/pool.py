@@ -190,7 +190,10 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
     else:
         o, state = _mix_in_rounds(layer, mixed, call, state)
     write_rows(call, call.slots, call.valid, state)
-    token_valid = call.valid[torch.searchsorted(call.cu[1:], torch.arange(B * T, device=x.device), right=True)]
+    if cu is None:     # B rows of T tokens
+        token_valid = call.valid[:, None].expand(B, T).reshape(-1)
+    else:
+        token_valid = call.valid[torch.searchsorted(call.cu[1:], torch.arange(B * T, device=x.device), right=True)]
     o = o * token_valid[None, :, None, None]   # a padding sequence's outputs are zero
     o = layer.norm(o.reshape(B, T, layer.num_v_heads, layer.head_v_dim), z)
     return layer.out_proj(o.flatten(2))

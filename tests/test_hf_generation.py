@@ -140,3 +140,37 @@ def test_prompt_lookup_decoding_rolls_back_rejected_drafts_to_plain_greedy(pair)
     assert torch.equal(got.sequences, plain.sequences), (got.sequences, plain.sequences)
     for a, b in zip(got.logits, plain.logits, strict=True):
         assert rel_err(a, b) <= 1e-5
+
+
+def rollback_logits(model, reference, keep, length, back, ids):
+    """Prefill 6 tokens, record with ``keep``, one call of ``length`` tokens, ``crop(-back)``, then the next
+    token's logits from the cache, and the same logits recomputed by ``reference`` without a cache."""
+    with torch.no_grad():
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        cache.activate_past_recording(recurrent_states_to_keep=keep)
+        model(ids[:, 6:6 + length], cache=cache, use_cache=True)
+        cache.crop(-back)
+        at = 6 + length - back
+        got = model(ids[:, at:at + 1], cache=cache, use_cache=True).logits[:, -1]
+        return got, reference(ids[:, :at + 1]).logits[:, -1]
+
+
+@pytest.mark.parametrize("keep, length, back", [(1, 4, 2), (2, 5, 3), (None, 3, 1), (1, 5, 5), (3, 4, 4)])
+def test_a_rollback_within_the_recorded_states_restores_the_state_at_that_token(pair, keep, length, back):
+    from transformers.cache_utils import Cache
+    if not hasattr(Cache, "get_recurrent_states_to_keep"):
+        pytest.skip("transformers < 5.25 records no recurrent states (tests/test_hf*.py also run under 5.25)")
+    original, swapped = pair
+    ids = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    got, want = rollback_logits(swapped, original, keep, length, back, ids)
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_a_rollback_past_the_recorded_states_raises_instead_of_decoding_from_a_wrong_state(pair):
+    from transformers.cache_utils import Cache
+    if not hasattr(Cache, "get_recurrent_states_to_keep"):
+        pytest.skip("transformers < 5.25 records no recurrent states (tests/test_hf*.py also run under 5.25)")
+    _, swapped = pair
+    ids = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="rolled back .* further than the states recorded"):
+        rollback_logits(swapped, swapped, 1, 5, 3, ids)

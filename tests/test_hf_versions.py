@@ -87,3 +87,21 @@ def test_an_untested_transformers_version_warns_once_naming_the_tested_range(mod
     assert len(ours) == (1 if warns else 0), [str(w.message) for w in caught]
     if warns:
         assert hf_cache.TESTED_TEXT in str(ours[0].message) and version in str(ours[0].message)
+
+
+def test_from_hf_on_a_converted_block_names_it(model):
+    swapped = copy.deepcopy(model)
+    swap_gated_deltanet(swapped)
+    with pytest.raises(TypeError, match="already a gdn_layer HFGatedDeltaNet"):
+        from_hf(swapped.model.layers[0].linear_attn)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 6), (2, 1, 6), (6,)])
+def test_a_block_refuses_an_attention_mask_that_is_not_2d(model, shape):
+    swapped = copy.deepcopy(model)
+    swap_gated_deltanet(swapped)
+    block = swapped.model.layers[0].linear_attn
+    mask = torch.ones(shape)
+    mask[..., :2] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match="must be a 2-D"):
+        block(torch.randn(2, 6, 64), attention_mask=mask)
