@@ -46,7 +46,8 @@ def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group
 
 
 # GatedDeltaNet.forward's own arguments: never silently dropped when they reach the transformers interface
-_LAYER_ONLY_ARGS = {"token_order": None, "state": None, "output_state": False}
+_LAYER_ONLY_ARGS = {"token_order": None, "state": None, "output_state": False, "state_slots": None,
+                    "checkpoint_slots": None, "checkpoint_every": 1}
 
 
 class HFGatedDeltaNet(GatedDeltaNet):
@@ -85,7 +86,7 @@ class HFGatedDeltaNet(GatedDeltaNet):
         position_ids = kwargs.pop(POSITION_KEY, kwargs.pop("position_ids", None))
         mask_given = kwargs.pop(MASK_GIVEN_KEY, False) or attention_mask is not None
         for name, default in _LAYER_ONLY_ARGS.items():
-            if name in kwargs and kwargs.pop(name) is not default:
+            if name in kwargs and not _is_default(kwargs.pop(name), default):
                 raise TypeError(f"{name} is an argument of gdn_layer.GatedDeltaNet.forward, which the transformers "
                                 f"block interface does not take (its state lives in the model's cache): call the "
                                 f"GatedDeltaNet directly for {name}")
@@ -163,6 +164,10 @@ class HFGatedDeltaNet(GatedDeltaNet):
             raise ValueError(f"{name} puts several sequences in one row (a packed batch), but a cache was given, "
                              "which holds one state per row: pass use_cache=False for packed batches")
         return cu
+
+
+def _is_default(value, default) -> bool:
+    return value is default or (type(value) is int and type(default) is int and value == default)
 
 
 def _alias(name: str, new: str) -> property:

@@ -45,10 +45,9 @@ class PoolCall:
         return self.slots >= 0
 
 
-def check_pool_call(layer, x, cu_seqlens, pool, state_slots, checkpoint_slots, checkpoint_every,
-                    output_state, token_order) -> None:
-    """Raise TypeError / ValueError naming the argument unless the pool call is well formed (before anything
-    is read or written; shapes, dtypes and devices only, never a value on the host)."""
+def check_pool_flags(layer, x, output_state, token_order) -> None:
+    """What a pool call refuses whatever its inputs, checked first (before ``check_inputs``, whose agreement
+    step under SP is never reached: the layer has no SP / CP group here)."""
     if layer.sp_size * layer.cp_size > 1:
         raise ValueError("state_slots (a state pool) is not supported under sequence or context parallelism: "
                          "decode runs on one rank (a layer built without sp_group / cp_group, the same weights)")
@@ -57,20 +56,45 @@ def check_pool_call(layer, x, cu_seqlens, pool, state_slots, checkpoint_slots, c
                          "in place; read them there (pool.recurrent_state[slots])")
     if token_order is not None:
         raise ValueError("token_order with state_slots: a state pool serves one rank; pass tokens in order")
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in layer.parameters())):
+    if torch.is_grad_enabled() and (getattr(x, "requires_grad", False)
+                                    or any(p.requires_grad for p in layer.parameters())):
         raise ValueError("state_slots (a state pool) is for inference: autograd is recording (grad mode on and "
                          "hidden_states or a parameter requires grad); call under torch.no_grad() or "
                          "torch.inference_mode(), or use state= / output_state=True for training")
+
+
+def check_pool_call(layer, x, cu, pool, state_slots, checkpoint_slots, checkpoint_every) -> None:
+    """Raise TypeError / ValueError naming the argument unless the pool call is well formed, before anything
+    is read or written (``x`` and ``cu`` checked already; values only where ``values_checkable``)."""
     if not isinstance(pool, GDNState):
         raise TypeError(f"state must be a GDNState pool (layer.new_state(num_slots)) with state_slots, "
                         f"got {type(pool).__name__}")
-    if not isinstance(pool.recurrent_state, torch.Tensor) or pool.recurrent_state.dim() != 4:
-        raise ValueError("state.recurrent_state must be a [num_slots, Hv, Dk, Dv] tensor (layer.new_state)")
-    check_state(pool, pool.recurrent_state.shape[0], layer.conv_dim, layer.conv_kernel_size, layer.num_v_heads,
+    rows = pool.recurrent_state.shape[0] if isinstance(pool.recurrent_state, torch.Tensor) else -1
+    want = {"conv_state": (rows, layer.conv_dim, layer.conv_kernel_size - 1),
+            "recurrent_state": (rows, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)}
+    for name, shape in want.items():
+        t = getattr(pool, name)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"state (a pool) .{name} must be [num_slots, ...] = {shape} for this layer, got {got}")
+    check_state(pool, rows, layer.conv_dim, layer.conv_kernel_size, layer.num_v_heads,
                 layer.head_k_dim, layer.head_v_dim, x.device, x.dtype)
-    n = x.shape[0] if cu_seqlens is None else (cu_seqlens.numel() if isinstance(cu_seqlens, torch.Tensor) else 1) - 1
+    for name in want:
+        t = getattr(pool, name)
+        if t.requires_grad:
+            raise ValueError(f"state.{name} (a pool) requires grad: a pool is written in place, for inference only")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"state.{name} (a pool) was made under torch.inference_mode, which allows its in-place "
+                             "updates only under inference_mode: call under torch.inference_mode() too, or make the "
+                             "pool outside it (layer.new_state under torch.no_grad())")
+    n = x.shape[0] if cu is None else cu.numel() - 1
     _check_index("state_slots", state_slots, (n,), x.device,
                  "N = B without cu_seqlens, len(cu_seqlens) - 1 with it")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+        raise TypeError(f"checkpoint_every must be an int, got {type(checkpoint_every).__name__}")
+    if not (checkpoint_every == 1 or (checkpoint_every > 0 and checkpoint_every % 64 == 0)):
+        raise ValueError(f"checkpoint_every must be 1 (speculative decoding) or a positive multiple of 64 "
+                         f"(prefix caching: chunk boundaries), got {checkpoint_every}")
     if checkpoint_slots is None:
         return
     if not isinstance(checkpoint_slots, torch.Tensor) or checkpoint_slots.dim() != 2:
@@ -78,11 +102,6 @@ def check_pool_call(layer, x, cu_seqlens, pool, state_slots, checkpoint_slots, c
                          + (f"shape {tuple(checkpoint_slots.shape)}" if isinstance(checkpoint_slots, torch.Tensor)
                             else type(checkpoint_slots).__name__))
     _check_index("checkpoint_slots", checkpoint_slots, (n, checkpoint_slots.shape[1]), x.device, "N as state_slots")
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
-        raise TypeError(f"checkpoint_every must be an int, got {type(checkpoint_every).__name__}")
-    if not (checkpoint_every == 1 or (checkpoint_every > 0 and checkpoint_every % 64 == 0)):
-        raise ValueError(f"checkpoint_every must be 1 (speculative decoding) or a positive multiple of 64 "
-                         f"(prefix caching: chunk boundaries), got {checkpoint_every}")
 
 
 def _check_index(name, t, shape, device, what):
@@ -98,15 +117,16 @@ def _check_index(name, t, shape, device, what):
         if (t < -1).any():
             raise ValueError(f"{name} holds {int(t.min())}: entries are row indices >= 0, or -1 for none")
         used = t[t >= 0]
-        if name == "state_slots" and used.unique().numel() != used.numel():
-            raise ValueError(f"{name} names a row twice: each sequence needs its own row (-1 = padding)")
+        if used.unique().numel() != used.numel():
+            raise ValueError(f"{name} names a row twice: each "
+                             + ("sequence" if name == "state_slots" else "checkpoint") + " needs its own row")
 
 
 def pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every) -> PoolCall:
     """The call's indices as int64 on the device; ``cu`` over the tokens flattened to ``[1, B * T]``."""
     B, T = x.shape[:2]
     if cu is None:
-        cu = torch.arange(0, (B + 1) * T, T, device=x.device)
+        cu = torch.arange(B + 1, device=x.device) * T
     ck = None if checkpoint_slots is None else checkpoint_slots.long()
     return PoolCall(pool, state_slots.long(), ck, checkpoint_every, cu.long())
 
@@ -120,26 +140,32 @@ def check_rows_in_range(call: PoolCall) -> None:
 
 
 def gather(call: PoolCall, slots: torch.Tensor | None = None) -> GDNState:
-    """The rows of ``slots`` (default: the call's), zero for -1."""
+    """The rows of ``slots`` (default: the call's), zero for -1 (selected, not multiplied: a NaN in the row
+    the index is clamped to stays out)."""
     slots = call.slots if slots is None else slots
     rows = slots.clamp_min(0)
     keep = (slots >= 0)
-    conv = call.pool.conv_state.index_select(0, rows) * keep[:, None, None]
-    rec = call.pool.recurrent_state.index_select(0, rows) * keep[:, None, None, None]
-    return GDNState(conv, rec)
+    conv = call.pool.conv_state.index_select(0, rows)
+    rec = call.pool.recurrent_state.index_select(0, rows)
+    return GDNState(torch.where(keep[:, None, None], conv, torch.zeros((), dtype=conv.dtype, device=conv.device)),
+                    torch.where(keep[:, None, None, None], rec, torch.zeros((), dtype=rec.dtype, device=rec.device)))
 
 
 def write_rows(call: PoolCall, rows: torch.Tensor, write: torch.Tensor, state: GDNState) -> None:
-    """``pool[rows[i]] = state[i]`` where ``write[i]``; nothing else changes (module docstring)."""
-    first = write.long().argmax()                   # a written entry, or entry 0 when none is
-    any_write = write[first]
-    target = torch.where(write, rows, rows[first]).clamp_min(0)
+    """``pool[rows[i]] = state[i]`` where ``write[i]``; nothing else changes (module docstring). Every index is
+    a 1-element tensor, never a 0-dim one (indexing with a 0-dim tensor reads it on the host)."""
+    first = write.long().argmax().view(1)               # a written entry, or entry 0 when none is
+    any_write = write.index_select(0, first)            # [1]
+    target = torch.where(write, rows, rows.index_select(0, first)).clamp_min(0)
+    values = []
     for pool_t, new in ((call.pool.conv_state, state.conv_state), (call.pool.recurrent_state, state.recurrent_state)):
         shape = (-1,) + (1,) * (new.dim() - 1)
         new = new.to(pool_t.dtype)
-        keep = pool_t.index_select(0, target)       # each target row as it is now
-        value = torch.where(write.view(shape), new, torch.where(any_write, new[first].unsqueeze(0), keep))
-        pool_t.index_copy_(0, target, value)
+        keep = pool_t.index_select(0, target)           # each target row as it is now
+        fill = torch.where(any_write.view(shape), new.index_select(0, first), keep)
+        values.append(torch.where(write.view(shape), new, fill))
+    call.pool.conv_state.index_copy_(0, target, values[0])
+    call.pool.recurrent_state.index_copy_(0, target, values[1])
 
 
 def round_index(cu: torch.Tensor, start: torch.Tensor | int, width: int | None, capacity: int):
@@ -176,12 +202,14 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
     its row and written back in place; with checkpoints, in rounds (module docstring)."""
     if state_slots is None:
         raise ValueError("checkpoint_slots needs state_slots (and state=pool): checkpoints are pool rows")
-    check_pool_call(layer, x, cu_seqlens, pool, state_slots, checkpoint_slots, checkpoint_every,
-                    output_state, token_order)
+    check_pool_flags(layer, x, output_state, token_order)
     cu, _ = check_inputs(layer, x, cu_seqlens, None, False)
+    check_pool_call(layer, x, cu, pool, state_slots, checkpoint_slots, checkpoint_every)
     call = pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every)
     check_rows_in_range(call)
     B, T = x.shape[:2]
+    if B * T == 0:                             # no token: every row stays as it is
+        return x.new_zeros(B, T, layer.hidden_size)
     mixed, z = layer._project(x)
     mixed = mixed.reshape(1, B * T, -1)        # B rows are B sequences of call.cu
     state = gather(call)
@@ -194,7 +222,7 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
         token_valid = call.valid[:, None].expand(B, T).reshape(-1)
     else:
         token_valid = call.valid[torch.searchsorted(call.cu[1:], torch.arange(B * T, device=x.device), right=True)]
-    o = o * token_valid[None, :, None, None]   # a padding sequence's outputs are zero
+    o = torch.where(token_valid[None, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
     o = layer.norm(o.reshape(B, T, layer.num_v_heads, layer.head_v_dim), z)
     return layer.out_proj(o.flatten(2))
 
@@ -217,8 +245,8 @@ def _mix_in_rounds(layer, mixed, call: PoolCall, state: GDNState):
     for j in range(M + 1):
         last = j == M
         src, taken, cu_round, lengths = round_index(call.cu, j * E, None if last else E, total if last else N * E)
-        with_filler = GDNState(torch.cat([state.conv_state, state.conv_state[:1] * 0]),
-                               torch.cat([state.recurrent_state, state.recurrent_state[:1] * 0]))
+        with_filler = GDNState(torch.cat([state.conv_state, torch.zeros_like(state.conv_state[:1])]),
+                               torch.cat([state.recurrent_state, torch.zeros_like(state.recurrent_state[:1])]))
         o, new = _mix_from(layer, mixed[:, src], cu_round, with_filler)
         o_all.index_copy_(0, torch.where(taken, src, total), o[0].to(o_all.dtype))
         state = GDNState(new.conv_state[:N], new.recurrent_state[:N])

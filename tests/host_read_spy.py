@@ -9,7 +9,7 @@ kernel backends own their launches) and records
 - reads of tensor values on the host: ``tolist``, ``item``, ``cpu``, ``numpy``, ``bool()``, ``int()``,
   ``float()``, ``index()``, and ops whose output shape depends on the values (``nonzero``, ..., and
   those ``_value_shaped`` names: tensor-repeat ``repeat_interleave``, one-argument ``where``,
-  ``bincount``, boolean-mask indexing);
+  ``bincount``, boolean-mask indexing, indexing with a 0-dim integer tensor);
 - tensors built on the host: ``torch.tensor`` / ``as_tensor`` from Python data, and factories called
   without a ``device`` (on a GPU run they land on the CPU and are copied over per call).
 
@@ -59,8 +59,10 @@ def _value_shaped(name, args, kwargs) -> bool:
     if name == "bincount":
         return True
     if name == "__getitem__" and len(args) > 1:
+        # a boolean mask, or a 0-dim integer tensor (read on the host as an int: ``t[i]``, ``i = x.argmax()``)
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
-        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        host = [i for i in index if isinstance(i, torch.Tensor)]
+        return any(i.dtype == torch.bool or (i.dim() == 0 and not i.is_floating_point()) for i in host)
     return False
 
 

@@ -139,13 +139,16 @@ def test_packed_positions_with_a_mask_or_a_cache_are_not_a_pack_as_in_transforme
     assert rel_err(packed, want) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["token_order", "state", "output_state"])
+@pytest.mark.parametrize("name", ["token_order", "state", "output_state", "state_slots", "checkpoint_slots",
+                                  "checkpoint_every"])
 def test_the_layers_own_arguments_are_refused_by_the_transformers_interface_never_dropped(qwen35_pair, name):
     from gdn_layer.hf import HFGatedDeltaNet
     _, swapped = qwen35_pair
     block = next(m for m in swapped.modules() if isinstance(m, HFGatedDeltaNet))
     x = torch.randn(1, 6, block.hidden_size)
-    value = {"token_order": torch.arange(6).flip(0), "state": object(), "output_state": True}[name]
+    value = {"token_order": torch.arange(6).flip(0), "state": object(), "output_state": True,
+             "state_slots": torch.tensor([0]), "checkpoint_slots": torch.zeros(1, 2, dtype=torch.long),
+             "checkpoint_every": 64}[name]
     with pytest.raises(TypeError, match=name):
         block(x, **{name: value})
 
@@ -156,7 +159,8 @@ def test_the_layers_own_arguments_at_their_defaults_pass_and_warmup_runs_a_swapp
     _, swapped = qwen35_pair
     block = next(m for m in swapped.modules() if isinstance(m, HFGatedDeltaNet))
     x = torch.randn(1, 6, block.hidden_size)
-    torch.testing.assert_close(block(x, token_order=None, state=None, output_state=False), block(x))
+    torch.testing.assert_close(block(x, token_order=None, state=None, output_state=False, state_slots=None,
+                                     checkpoint_slots=None, checkpoint_every=1), block(x))
     calls = []
     block.register_forward_pre_hook(lambda m, args, kwargs: calls.append(m) and None, with_kwargs=True)
     assert warmup(block) >= 0           # runs through GatedDeltaNet.forward (states included)

@@ -224,7 +224,12 @@ def bad_calls(layer, x, cu, pool):
         "slot too big": (dict(state_slots=torch.tensor([1, 9, -1, 0, 2, 3])), ValueError, "the pool has 8 rows"),
         "slot below -1": (dict(state_slots=torch.tensor([1, -2, -1, 0, 2, 3])), ValueError, "holds -2"),
         "ck shape": (dict(state_slots=s, checkpoint_slots=ck[:, 0]), ValueError, r"checkpoint_slots must be"),
-        "ck too big": (dict(state_slots=s, checkpoint_slots=ck + 8), ValueError, "checkpoint_slots holds row"),
+        "ck too big": (dict(state_slots=s, checkpoint_slots=torch.arange(8, 20).reshape(6, 2)), ValueError,
+                       "checkpoint_slots holds row"),
+        "ck twice": (dict(state_slots=s, checkpoint_slots=torch.full((6, 2), 5)), ValueError,
+                     "checkpoint_slots names a row twice"),
+        "every alone": (dict(state_slots=s, checkpoint_every=3), ValueError, "multiple of 64"),
+        "cu list": (dict(state_slots=s, cu_seqlens=[0, 12]), TypeError, "cu_seqlens"),
         "every": (dict(state_slots=s, checkpoint_slots=ck, checkpoint_every=32), ValueError, "multiple of 64"),
         "ck alone": (dict(checkpoint_slots=ck), ValueError, "checkpoint_slots needs state_slots"),
         "token_order": (dict(state_slots=s, token_order=torch.arange(x.shape[1])), ValueError, "token_order"),
@@ -240,8 +245,9 @@ def test_bad_pool_calls_are_refused_before_anything_is_written(case):
     x, cu = packed()
     kwargs, error, match = bad_calls(layer, x, cu, pool)[case]
     kwargs.setdefault("state", pool)
+    kwargs.setdefault("cu_seqlens", cu)
     with torch.no_grad(), pytest.raises(error, match=match):
-        layer(x, cu_seqlens=cu, **kwargs)
+        layer(x, **kwargs)
     assert torch.equal(pool.conv_state, before.conv_state)
     assert torch.equal(pool.recurrent_state, before.recurrent_state)
 
@@ -258,9 +264,54 @@ def test_the_pool_refuses_autograd_recording_a_wrong_pool_and_parallel_layers():
         with pytest.raises(TypeError, match="float64 with torch.float64 activations"):
             layer(x, cu_seqlens=cu, state=GDNState(pool.conv_state.float(), pool.recurrent_state.float()),
                   state_slots=s)
-        with pytest.raises(ValueError, match=r"state.recurrent_state must be \[N, Hv, Dk, Dv\]"):
+        with pytest.raises(ValueError, match=r"state \(a pool\) .recurrent_state must be \[num_slots, ...\]"):
             layer(x, cu_seqlens=cu, state=GDNState(pool.conv_state, pool.recurrent_state[:, :2]), state_slots=s)
         layer.sp_size = 2                     # what a layer built with an sp_group of 2 holds
         with pytest.raises(ValueError, match="not supported under sequence or context parallelism"):
             layer(x, cu_seqlens=cu, state=pool, state_slots=s)
     assert torch.equal(pool.recurrent_state, before.recurrent_state)
+
+
+def test_a_pool_made_under_inference_mode_or_requiring_grad_is_refused_before_anything_is_written():
+    layer = make_layer()
+    x, cu = packed()
+    s = torch.tensor(SLOTS)
+    with torch.inference_mode():
+        frozen = filled_pool(layer, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match="made under torch.inference_mode"):
+        layer(x, cu_seqlens=cu, state=frozen, state_slots=s)
+    with torch.inference_mode():
+        layer(x, cu_seqlens=cu, state=frozen, state_slots=s)       # where it was made: fine
+    pool = filled_pool(layer, 8)
+    before = copy_of(pool)
+    pool.recurrent_state.requires_grad_(True)
+    layer.requires_grad_(False)
+    with pytest.raises(ValueError, match="requires grad"):
+        layer(x, cu_seqlens=cu, state=pool, state_slots=s)
+    assert torch.equal(pool.conv_state, before.conv_state)
+
+
+def test_a_nan_in_a_row_no_sequence_names_stays_out_of_every_output_and_row():
+    layer = make_layer()
+    pool = filled_pool(layer, 8)
+    pool.recurrent_state[0] = float("nan")        # row 0: where a padding entry's index is clamped to
+    pool.conv_state[0] = float("nan")
+    x, cu = packed([3, 2, 4])
+    slots = torch.tensor([-1, 1, 2])
+    with torch.no_grad(), skip_value_checks():
+        y = layer(x, cu_seqlens=cu, state=pool, state_slots=slots, checkpoint_slots=torch.tensor([[3], [4], [5]]),
+                  checkpoint_every=1)
+    assert torch.isfinite(y).all() and y[:, :3].abs().max() == 0
+    assert torch.isfinite(pool.recurrent_state[1:]).all() and torch.isfinite(pool.conv_state[1:]).all()
+
+
+def test_calls_without_tokens_keep_every_row():
+    layer = make_layer()
+    pool = filled_pool(layer, 4)
+    before = copy_of(pool)
+    with torch.no_grad():
+        y1 = layer(torch.zeros(1, 0, HIDDEN, dtype=torch.float64), cu_seqlens=torch.tensor([0, 0, 0]), state=pool,
+                   state_slots=torch.tensor([0, 1]))
+        y2 = layer(torch.zeros(2, 0, HIDDEN, dtype=torch.float64), state=pool, state_slots=torch.tensor([2, 3]))
+    assert y1.shape == (1, 0, HIDDEN) and y2.shape == (2, 0, HIDDEN)
+    assert torch.equal(pool.recurrent_state, before.recurrent_state) and torch.equal(pool.conv_state, before.conv_state)
