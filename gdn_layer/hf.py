@@ -26,7 +26,6 @@ from gdn_layer.hf_packing import (MASK_GIVEN_KEY, POSITION_KEY, packed_cu_seqlen
                                  watch_model_inputs)
 from gdn_layer.layer import GatedDeltaNet
 from gdn_layer.parallel import seq_to_head
-from gdn_layer.state import GDNState
 
 
 def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> GatedDeltaNet:
@@ -119,8 +118,8 @@ class HFGatedDeltaNet(GatedDeltaNet):
 
     def _forward_cached(self, x, cache, cu_seqlens):
         """Continue each row from the model's cache and store its new state there (``hf_cache``). When
-        transformers records states for speculative decoding (``n = states_to_keep``), the last ``n`` tokens
-        run one at a time after the others, as transformers' block does, so the state after each is kept."""
+        transformers records states for speculative decoding (``n = states_to_keep``: one more than its own
+        block keeps), the last ``n`` tokens run one at a time after the others, so the state after each is known."""
         # the layer's state dtype: fp32, or fp64 for an fp64 model (never rounded to fp32)
         dt = torch.float64 if self.out_proj.weight.dtype == torch.float64 else torch.float32
         state = hf_cache.read(cache, self.layer_idx, self.conv_kernel_size, dt)
@@ -133,9 +132,7 @@ class HFGatedDeltaNet(GatedDeltaNet):
         if T > n or state is None:
             head = x[:, :T - n]
             if head.shape[1] == 0:   # nothing before the recorded tokens and no state yet: the zero state
-                state = GDNState(x.new_zeros(x.shape[0], self.conv_dim, self.conv_kernel_size - 1, dtype=dt),
-                                 x.new_zeros(x.shape[0], self.num_v_heads, self.head_k_dim, self.head_v_dim,
-                                             dtype=dt))
+                state = self.new_state(x.shape[0])
             else:
                 y, state = super().forward(head, cu_seqlens=cu_seqlens, state=state, output_state=True)
                 ys.append(y)

@@ -214,24 +214,18 @@ def _cached_runs(layer: nn.Module, hf_module: nn.Module, x: torch.Tensor):
     def new_cache():
         return Cache(layers=[LinearAttentionLayer() for _ in range(idx + 1)])
 
-    def run(module, cache, chunks):
-        if module is layer and not speaks_cache:   # a plain GatedDeltaNet: its own state
-            outs = []
-            for c in chunks:
-                y, cache["state"] = layer(c, state=cache.get("state"), output_state=True)
-                outs.append(y)
-            return torch.cat(outs, 1)
-        return torch.cat([module(c, cache=cache) for c in chunks], 1)
-
-    caches = {}
-    split = (x[:, :-1], x[:, -1:])
-    for name, module in (("block", hf_module), ("copy", layer)):
-        caches[name] = new_cache() if module is hf_module or speaks_cache else {}
-        caches[name, "y"] = run(module, caches[name], split)
-    yield "a prefill and a cached decode step", caches["block", "y"], caches["copy", "y"]
+    prefill, step = x[:, :-1], x[:, -1:]
+    block_cache = new_cache()
+    want = torch.cat([hf_module(prefill, cache=block_cache), hf_module(step, cache=block_cache)], 1)
+    if speaks_cache:
+        copy_cache = new_cache()
+        got = torch.cat([layer(prefill, cache=copy_cache), layer(step, cache=copy_cache)], 1)
+    else:                                   # a plain GatedDeltaNet: its own state
+        y, state = layer(prefill, output_state=True)
+        got = torch.cat([y, layer(step, state=state)], 1)
+    yield "a prefill and a cached decode step", want, got
     if not speaks_cache:
         return
-    block_cache, copy_cache = caches["block"], caches["copy"]
     yield ("the recurrent state in the cache", block_cache.get_recurrent_state(idx),
            copy_cache.get_recurrent_state(idx))
     if hasattr(block_cache.layers[idx], "get_seq_length"):
