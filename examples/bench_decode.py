@@ -12,7 +12,7 @@ Each sequence is prefilled with ``--prefill`` tokens, then one token per sequenc
   ``fused_recurrent_gated_delta_rule`` with the gate, beta and q/k L2 norm in the kernel, ``FusedRMSNormGated``,
   output projection) with the state rows gathered from and written back to a pool, in one CUDA graph.
 
-    python examples/bench_decode.py --n 1 64 256            # ~1 min on an H100 once compiled
+    python examples/bench_decode.py --n 1 64 256     # a few minutes: warmup(layer) first compiles every kernel
 """
 from __future__ import annotations
 
