@@ -13,6 +13,7 @@ Each sequence is prefilled with ``--prefill`` tokens, then one token per sequenc
   output projection) with the state rows gathered from and written back to a pool, in one CUDA graph.
 
     python examples/bench_decode.py --n 1 64 256     # a few minutes: warmup(layer) first compiles every kernel
+    python examples/bench_decode.py --warmup none    # compiles only what the decode steps launch
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def run(n, args):
     ours = GatedDeltaNet(H, HK, HV, D, D, backend=args.backend, device="cuda", dtype=dt).eval()
     fla = FlaGDN(hidden_size=H, expand_v=1, head_dim=D, num_heads=HK, num_v_heads=HV, mode="chunk",
                  use_short_conv=True, layer_idx=0).to("cuda", dt).eval()
-    if n == args.n[0]:
+    if n == args.n[0] and args.warmup == "full":
         warmup(ours)
     prompt = torch.randn(n, args.prefill, H, device="cuda", dtype=dt)
     x = torch.randn(n, 1, H, device="cuda", dtype=dt)
@@ -131,6 +132,9 @@ def main():
     p.add_argument("--steps", type=int, default=50, help="measured steps (median)")
     p.add_argument("--warm", type=int, default=10, help="unmeasured steps first")
     p.add_argument("--backend", default="auto", help="our kernel backend")
+    p.add_argument("--warmup", choices=("full", "none"), default="full",
+                   help="full: warmup(layer) first (every kernel the layer can launch; minutes cold); none: only "
+                        "the --warm eager steps compile what the measured steps launch")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     rows = [run(n, args) for n in args.n]

@@ -67,7 +67,7 @@ for spec in "$@"; do
     tests_k)       step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "${K:?set K to a -k expression}" ;;
     # the serving state pool on the GPU (K: a -k expression, e.g. "not flash_qla"), and the decode-step benchmark
     pool)          step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_pool.py" -k "${K:-pool or graph}" ;;
-    bench_decode)  step "$name" "$t" python3 "$R/examples/bench_decode.py" --backend ${DEC_BACKEND:-auto} --n ${DEC_N:-1 64 256} --json "$OUT/bench_decode.json" ;;
+    bench_decode)  step "$name" "$t" python3 "$R/examples/bench_decode.py" --backend ${DEC_BACKEND:-auto} --n ${DEC_N:-1 64 256} --warmup ${DEC_WARMUP:-full} --json "$OUT/bench_decode.json" ;;
     graphs)        step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
     # the graph tests other than the replays (reduce-overhead, no-sync, the CPU-cu refusal): fewer cold compiles
     graphs_all)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
