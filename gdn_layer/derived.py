@@ -168,6 +168,18 @@ def derived(source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> An
         return value
 
 
+def known(source: torch.Tensor, key: Hashable) -> Any:
+    """The value kept for ``(source, key)`` under the rule above, or None; never builds one (for values
+    whose build would cost what the caller avoids, e.g. host values: a device read)."""
+    if not _keepable(source):
+        return None
+    with _LOCK:
+        entry = _CACHE.get(id(source))
+        if entry is None or not _unchanged(source, entry, _signature(source, _version(source))):
+            return None
+        return entry.values.get(key)
+
+
 def remember(source: torch.Tensor, key: Hashable, value: Any) -> None:
     """Store a value of ``source`` known without computing it (e.g. host values a CPU caller handed in)."""
     derived(source, key, lambda: value)
@@ -202,4 +214,5 @@ def clear() -> None:
         _CACHE.clear()
 
 
-__all__ = ["derived", "remember", "derived_from_sizes", "capturing", "clear", "MAX_ENTRIES", "MAX_VALUES_PER_ENTRY"]
+__all__ = ["derived", "known", "remember", "derived_from_sizes", "capturing", "clear", "MAX_ENTRIES",
+           "MAX_VALUES_PER_ENTRY"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..derived import capturing, derived, remember
+from ..derived import capturing, derived, known, remember
 
 
 def host_copy(cu: torch.Tensor) -> torch.Tensor:
@@ -23,6 +23,12 @@ def host_copy(cu: torch.Tensor) -> torch.Tensor:
     if cu.device.type == "cpu":
         return cu            # (never stored: an entry must not hold its own tensor, or it never leaves)
     return derived(cu, "host", lambda: cu.detach().cpu())
+
+
+def known_host(cu: torch.Tensor) -> torch.Tensor | None:
+    """``cu``'s values on the CPU where they are known without a device read (a CPU tensor, a copy the layer
+    made of a CPU ``cu_seqlens``, a tensor read before, ``pad_cu_seqlens`` of such a tensor), else None."""
+    return cu if cu.device.type == "cpu" else known(cu, "host")
 
 
 def as_int64(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -43,11 +49,15 @@ def as_int64(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
         return cu
 
     def convert():
-        out = cu.detach().to(device=device, dtype=torch.int64, copy=True)
-        if cu.device.type == "cpu" and out.device.type != "cpu":
-            remember(out, "host", cu.detach().to(torch.int64, copy=True))
+        # from pageable host memory a non-blocking copy is staged before it returns (safe to reuse the
+        # source), and it is no stream sync; from pinned memory it is asynchronous, so it blocks
+        non_blocking = cu.device.type == "cpu" and device.type != "cpu" and not cu.is_pinned()
+        out = cu.detach().to(device=device, dtype=torch.int64, copy=True, non_blocking=non_blocking)
+        host = known_host(cu)
+        if host is not None and out.device.type != "cpu":
+            remember(out, "host", host.detach().to(torch.int64, copy=True))
         return out
     return derived(cu, ("int64", str(device)), convert)
 
 
-__all__ = ["derived", "remember", "capturing", "host_copy", "as_int64"]
+__all__ = ["derived", "remember", "capturing", "host_copy", "known_host", "as_int64"]

@@ -90,6 +90,22 @@ def _compact(cu):
                                                     lambda: varlen.without_empty_segments(cu))
 
 
+def _with_layout(cu):
+    """``cu`` with FlashQLA's chunk layout attached (its ``prepare_varlen_metadata``, from cu's host values),
+    once per tensor: FlashQLA's kernels then read nothing back (its own fallback reads cu on the host at each
+    new tensor). The host values cost nothing where they are known (a ``cu_seqlens`` the layer copied from
+    the CPU, ``pad_cu_seqlens`` of one, a compaction), else one read per tensor."""
+    if cu is None or cu.device.type == "cpu":
+        return cu
+
+    def build():
+        from flash_qla.utils.index import prepare_varlen_metadata
+        prepare_varlen_metadata(cu, cu_cache.host_copy(cu).to(torch.int64))
+        return True
+    cu_cache.derived(cu, "flash_qla_layout", build)
+    return cu
+
+
 def _kept(t, c):
     """The rows of a per-sequence tensor (state, state gradient) that FlashQLA sees after ``_compact``."""
     return t if t is None or c is None else t.index_select(0, c.keep)
@@ -134,7 +150,7 @@ def chunk_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     c = _compact(cu)
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     g_cum, A, o, _, final, _ = chunk_gated_delta_rule_fwd(
-        qn, kn, v, g, beta, scale=scale, initial_state=_kept(h0, c), cu_seqlens=cu if c is None else c.cu,
+        qn, kn, v, g, beta, scale=scale, initial_state=_kept(h0, c), cu_seqlens=_with_layout(cu if c is None else c.cu),
         output_final_state=output_final_state, auto_cp=False)
     if c is not None and output_final_state:
         final = varlen.expand_states(c, final, h0)
@@ -154,7 +170,7 @@ def chunk_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=N
         dh0 = None if h0 is None else (dht.clone() if dht is not None else torch.zeros_like(h0))
         return (*(torch.zeros_like(t) for t in (q, k, v, g, beta)), dh0)
     c = _compact(cu)
-    cu = cu if c is None else c.cu
+    cu = _with_layout(cu if c is None else c.cu)
     qn, kn, v, g, beta = _prep(q, k, v, g, beta, use_qk_l2norm)
     if residuals is not None:       # the forward's (FlashQLA's autograd saves the same two)
         g_cum, A = residuals

@@ -177,15 +177,22 @@ class Compaction(NamedTuple):
 
 
 def without_empty_segments(cu: torch.Tensor) -> Compaction | None:
-    """None when every sequence of ``cu_seqlens`` holds a token (one host read of cu), else the pack
-    without its empty ones. Tokens are untouched: only the state rows of the dropped sequences change,
-    and for those the recurrence is the identity (``final = initial``; ``d initial = d final``)."""
-    host = cu_cache.host_copy(cu)
+    """None when every sequence of ``cu_seqlens`` holds a token, else the pack without its empty ones.
+    Tokens are untouched: only the state rows of the dropped sequences change, and for those the
+    recurrence is the identity (``final = initial``; ``d initial = d final``). Reads cu's host values
+    (``cu_cache.host_copy``: free where they are known, else one read); the compacted ``cu``'s host
+    values are recorded, so nothing after reads it back."""
+    host = cu_cache.host_copy(cu).to(torch.int64)
     lens = host[1:] - host[:-1]
     if bool((lens > 0).all()):
         return None
-    keep = torch.nonzero(lens > 0).flatten().to(cu.device)
-    return Compaction(torch.cat([cu[:1], cu[1:].index_select(0, keep)]), keep, lens.numel())
+    keep_host = torch.nonzero(lens > 0).flatten()
+    # (a non-blocking copy from pageable memory is staged at once: no stream sync, the source reusable)
+    keep = keep_host.to(cu.device, non_blocking=True)
+    out = torch.cat([cu[:1], cu[1:].index_select(0, keep)])
+    if out.device.type != "cpu":
+        cu_cache.remember(out, "host", torch.cat([host[:1], host[1:].index_select(0, keep_host)]))
+    return Compaction(out, keep, lens.numel())
 
 
 def expand_states(c: Compaction, kept: torch.Tensor | None, full: torch.Tensor | None):

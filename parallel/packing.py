@@ -12,6 +12,7 @@ import numbers
 import torch
 import torch.distributed as dist
 
+from gdn_layer.kernels import cu_cache
 from gdn_layer.kernels.validation import check_cu_seqlens
 
 from .groups import resolve_sp_group
@@ -100,7 +101,9 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, max_num_seqs: int) -> torch.Tensor:
 
     Runs on ``cu_seqlens``'s device with no host read (no sync on accelerators): the length check uses
     only the shape; the values are checked (``check_cu_seqlens``) only where value checks run
-    (always on CPU, on accelerators when validation is switched on).
+    (always on CPU, on accelerators when validation is switched on). Where ``cu_seqlens``'s values are
+    known on the host without a read (it was copied from the CPU by the layer, or padded from such a
+    tensor), the padded tensor's are recorded too, so FlashQLA's chunk layout needs no read either.
 
     Args:
         cu_seqlens: 1-D int32/int64 ``[N + 1]`` boundaries, ``cu[0] == 0``, non-decreasing.
@@ -123,7 +126,11 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, max_num_seqs: int) -> torch.Tensor:
                          f"{max_num_seqs}; raise max_num_seqs or split the pack")
     if n == max_num_seqs:
         return cu_seqlens
-    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(max_num_seqs - n)])
+    out = torch.cat([cu_seqlens, cu_seqlens[-1:].expand(max_num_seqs - n)])
+    host = cu_cache.known_host(cu_seqlens)
+    if host is not None and out.device.type != "cpu":      # the values stay known without a device read
+        cu_cache.remember(out, "host", torch.cat([host, host[-1:].expand(max_num_seqs - n)]).to(torch.int64))
+    return out
 
 
 def _check_dim(x: torch.Tensor, dim: int) -> int:

@@ -119,3 +119,32 @@ def test_inference_tensors_are_never_cached():
         dev = cu_cache.as_int64(cu, torch.device("meta"))
         cu.copy_(torch.tensor([0, 3, 4, 6]))
         assert cu_cache.as_int64(cu, torch.device("meta")) is not dev
+
+
+def test_known_never_builds_and_follows_the_version():
+    cu = torch.tensor([0, 3, 7])
+    assert derived_rule.known(cu, "host") is None and derived_rule.known(cu, "lens") is None
+    cu_cache.derived(cu, "lens", lambda: [3, 4])
+    assert derived_rule.known(cu, "lens") == [3, 4]
+    cu.copy_(torch.tensor([0, 1, 7]))                    # refilled: what was kept is stale, not served
+    assert derived_rule.known(cu, "lens") is None
+
+
+def _meta_with_host(values):
+    """An "accelerator" cu_seqlens (meta: reading its values would raise) whose host values the layer knows."""
+    return cu_cache.as_int64(torch.tensor(values), torch.device("meta"))
+
+
+def test_padding_and_compaction_keep_the_host_values_known(monkeypatch):
+    from gdn_layer.parallel import packing, pad_cu_seqlens
+    monkeypatch.setattr(packing, "check_cu_seqlens", lambda cu, total_len: None)   # (it refuses meta tensors)
+    padded = pad_cu_seqlens(_meta_with_host([0, 300, 300, 1000]), 6)
+    assert padded.device.type == "meta"
+    assert cu_cache.known_host(padded).tolist() == [0, 300, 300, 1000, 1000, 1000, 1000]
+    c = varlen.without_empty_segments(padded)           # host values known: nothing is read back
+    assert c.cu.device.type == "meta" and cu_cache.known_host(c.cu).tolist() == [0, 300, 1000]
+    assert c.num_seqs == 6 and c.keep.shape == (2,)
+    again = cu_cache.as_int64(padded, torch.device("meta"))   # the layer's own copy knows them too
+    assert again is not padded and cu_cache.known_host(again).tolist() == cu_cache.known_host(padded).tolist()
+    unknown = torch.zeros(5, dtype=torch.int64, device="meta")
+    assert cu_cache.known_host(unknown) is None and cu_cache.known_host(pad_cu_seqlens(unknown, 6)) is None

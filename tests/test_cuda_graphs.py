@@ -146,16 +146,20 @@ def test_reduce_overhead_compile_replays_other_packings():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_eager_step_on_a_new_packing_does_not_sync(backend):
-    """fla: an eager forward+backward on a cu_seqlens the layer has not seen makes no device sync at all.
-    FlashQLA (at D = 128 its own kernels run) takes the lengths on the host: one read per new cu_seqlens
-    tensor, kept for the later layers and the backward, so the step after a first layer call makes none."""
+@pytest.mark.parametrize("packing", [0, 3], ids=["empty-segments", "full"])
+@pytest.mark.parametrize("cu_on", ["cpu", "cuda"])
+def test_eager_step_on_a_new_packing_does_not_sync(backend, packing, cu_on):
+    """An eager forward+backward on a cu_seqlens the layer has not seen makes no device sync at all, padded
+    with empty segments or not: fla's kernels read nothing on the host; FlashQLA (at D = 128 its own
+    kernels run) takes the lengths on the host, known without a read for a cu_seqlens handed in on the
+    CPU. A device-only cu_seqlens costs FlashQLA one read per tensor (kept for the later layers and the
+    backward): that case reads first, so the check still catches a second read."""
     layer = make_layer(backend, 128)
     x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x, cu_seqlens=cu_of(packings(3)[2])).sum().backward()       # (first call of this process's shapes)
     torch.cuda.synchronize()
-    cu = cu_of(packings(4, seed=5)[3])
-    if backend == "flash_qla":
+    cu = pad_cu_seqlens(torch.tensor(packings(4, seed=5)[packing], dtype=torch.int32), N_MAX).to(cu_on)
+    if backend == "flash_qla" and cu_on == "cuda":
         with torch.no_grad():
             layer(x, cu_seqlens=cu)                                    # its one host read of these lengths
         torch.cuda.synchronize()
