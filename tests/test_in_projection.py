@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gdn_layer import GatedDeltaNet
 from gdn_layer.in_projection import _TwoProjections, two_projections
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
 def inputs(shape, H=24, Fm=40, Fz=16, dtype=torch.float64, x_grad=True, w_grad=True, strided=False):

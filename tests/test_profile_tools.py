@@ -1,5 +1,5 @@
-"""The GPU profiling scripts' timeline arithmetic (scripts/profile_sp.py, scripts/profile_finetune.py,
-scripts/profile_layer.py's --gaps / --loop / --why) on hand-made traces, and bench_host_cost.py's attribution
+"""The GPU profilers' timeline arithmetic (benchmarks/profile_sp.py, benchmarks/profile_finetune.py,
+benchmarks/profile_layer.py's --gaps / --loop / --why) on hand-made traces, and bench_host_cost.py's attribution
 of host time to packages (on the CPU): the numbers they report in docs/performance.md come from these
 functions."""
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import profile_sp  # noqa: E402
 
@@ -160,17 +160,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("command", [
-    ["scripts/bench_host_cost.py", "--shapes", "ft", "--T", "2048"],
-    ["scripts/probe_graph_capture.py"],
-    ["scripts/bench_triton_conv.py", "--quick"],
-    ["scripts/bench_triton_norm.py"],
-    ["scripts/profile_layer.py"],
-    ["examples/bench_vs_fla.py", "--T", "2048"],
-    ["examples/compile_check.py"],
-    ["scripts/bench_null_backend.py", "--device", "cuda"],
-    ["scripts/probe_autograd_thread.py"],
-    ["scripts/profile_sp.py"],
-    ["scripts/probe_reduce_overhead.py"],
+    ["benchmarks/bench_host_cost.py", "--shapes", "ft", "--T", "2048"],
+    ["benchmarks/bench_triton_conv.py", "--quick"],
+    ["benchmarks/bench_triton_norm.py"],
+    ["benchmarks/profile_layer.py"],
+    ["benchmarks/bench_vs_fla.py", "--T", "2048"],
+    ["benchmarks/compile_check.py"],
+    ["benchmarks/bench_null_backend.py", "--device", "cuda"],
+    ["benchmarks/profile_sp.py"],
 ])
 def test_gpu_scripts_refuse_a_machine_without_cuda_by_name(command):
     """Where no CUDA GPU is visible (this CI machine), each GPU measurement says so in one line, instead of

@@ -10,7 +10,7 @@ The counter can fail: ``--negative-control`` runs a kernel with ``T: tl.constexp
 at every new T, and the second test asserts the probe sees that. (Making a length argument of one of
 our kernels ``tl.constexpr`` turns the first test red the same way; ``scan_triton.py`` catches it
 statically as well.) FlashQLA's TileLang kernels cannot go through a Triton driver: they are covered
-by ``examples/compile_check.py`` on the GPU.
+by ``benchmarks/compile_check.py`` on the GPU.
 """
 import json
 import os

@@ -53,7 +53,7 @@ from ._layout import narrow_offsets, out_buffer, row_strides, rows_align
 from .l2norm import EPS as L2NORM_EPS
 from .l2norm import l2norm_bwd_from_output
 
-# Measured on an H200 (scripts/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
+# Measured on an H200 (benchmarks/bench_triton_conv.py, C = 8192, W = 4, bf16): 32 x 64 tiles with 4 warps
 # were the fastest of those tried; the backward spills registers from 64 x 64 up (4-5x slower).
 # Session 16, after the 16-byte accesses (bench_triton_conv.py --sweep, 32k tokens): the layer's variant
 # (neither bias nor initial states) runs its forward in 0.401 ms with 16 x 128 tiles against 0.504 ms with
@@ -70,7 +70,7 @@ NUM_WARPS = 4
 DZ_PROGRAMS = 8192
 DZ_PROGRAMS_PLAIN = 512
 # the dz pass's own tile and warps (it holds five [DZ_BLOCK_T, block] accumulators); its channel block is
-# _dz_block_c(C). H200, scripts/bench_triton_conv.py --sweep (C = 8192, bf16, 32k tokens, with bias and
+# _dz_block_c(C). H200, benchmarks/bench_triton_conv.py --sweep (C = 8192, bf16, 32k tokens, with bias and
 # initial states): backward 3.30 ms with 16 x 64 tiles on 2 warps, 4.02 ms with 32 x 64 on 4. That variant
 # takes 255 registers and spills on both tiles (sm_90, Triton 3.7.1); the layer's conv has neither bias nor
 # (in training) initial states: 184-190 registers, no spill on either tile. So the sweep may not carry over.
@@ -85,7 +85,7 @@ DZ_BLOCK_T_PLAIN = 16
 DZ_NUM_WARPS = 4
 # software pipelining of the dz pass's tile loop (``tl.range(num_stages=)``): 1 compiles the plain loop (the same
 # PTX as ``range``); from 2 Triton prefetches the next tiles' x and dy through shared memory (cp.async), which
-# only pays where a program takes several tiles. Session 18, H200, scripts/bench_triton_conv.py --stages (32k
+# only pays where a program takes several tiles. Session 18, H200, benchmarks/bench_triton_conv.py --stages (32k
 # tokens; ms of the backward, dz and dx passes): the layer's three convs of Qwen3-Next (no bias or states) 1.382
 # at 1 stage and 8 192 programs, 1.202 at 1 stage and 512, **1.124 at 3 stages and 512** (2 stages 1.171, 4:
 # 1.180-1.245); with bias and initial states pipelining is 3.5-5x slower (11.97-17.39 against 3.43 ms) and
@@ -94,7 +94,7 @@ DZ_NUM_WARPS = 4
 DZ_NUM_STAGES = 1
 DZ_NUM_STAGES_PLAIN = 3
 # the same two knobs of the forward and of the dx pass (all their variants). Session 19, H200,
-# scripts/bench_triton_conv.py --stages-fwd-dx (32k tokens, the layer's three convs of Qwen3-Next): the forward
+# benchmarks/bench_triton_conv.py --stages-fwd-dx (32k tokens, the layer's three convs of Qwen3-Next): the forward
 # 0.458 ms with one tile per program (65 535 programs) against 0.395 ms with 4 096 programs on the plain loop,
 # the dx pass 1.125 against 1.083 (software pipelining, 2-4 stages, helped neither). So 4 096 and 1 stage.
 FWD_PROGRAMS = DX_PROGRAMS = 4096

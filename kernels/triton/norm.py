@@ -28,8 +28,8 @@ from ._math import compute_tl_dtype, rne_by, sigmoid, tl_dtype
 
 MAX_D = 1024
 # Elements per tile (BLOCK_M * BLOCK_D) of the forward and the backward, and their warps (None: 4 up to
-# D = 256, else 8); read at call time so tests can shrink tiles and scripts/bench_triton_norm.py can sweep.
-# H200, Qwen3-Next's shape (32k tokens, 32 heads, D = 128, bf16; scripts/bench_triton_norm.py): forward
+# D = 256, else 8); read at call time so tests can shrink tiles and benchmarks/bench_triton_norm.py can sweep.
+# H200, Qwen3-Next's shape (32k tokens, 32 heads, D = 128, bf16; benchmarks/bench_triton_norm.py): forward
 # 0.233 ms at 1024 elements on 2 warps (0.248 at 4096 on 4), backward 0.412 ms at 2048 on 8 warps (0.563
 # at 4096 on 4, which takes 251 registers on sm_90 against 74). The backward was timed with rstd saved;
 # the CUDA backends let it recompute rstd (one more row sum), not timed yet. Tuned at D = 128 only.
@@ -38,7 +38,7 @@ _TILE_BWD = 2048
 _NUM_WARPS = 2
 _NUM_WARPS_BWD = 8
 # Round to x's (and weight's) dtype by the GPU's own conversions (``_math.rne_by``) on CUDA; False: by bit
-# arithmetic everywhere. Read at call time (scripts/bench_triton_norm.py times both).
+# arithmetic everywhere. Read at call time (benchmarks/bench_triton_norm.py times both).
 HW_RNE = True
 # Backward grid cap: bounds the [NB, D] partial dweight buffer; each program then loops over tiles.
 _MAX_PROGRAMS = 1024

@@ -1,11 +1,11 @@
 """CUDA-kernel time breakdown of one GatedDeltaNet layer forward+backward: ours and fla 0.6's layer.
 
-Same shapes and input as examples/bench_vs_fla.py (Qwen3-Next: hidden 2048, Hk 16, Hv 32, D 128, bf16,
+Same shapes and input as benchmarks/bench_vs_fla.py (Qwen3-Next: hidden 2048, Hk 16, Hv 32, D 128, bf16,
 packed T in --docs documents). After two warm-up steps, torch.profiler records --steps steps; prints the
 top kernels by total CUDA time per step, and the sum over all kernels. Needs CUDA and fla-core.
 
-    FLA_FLASH_QLA=0 python3 scripts/profile_layer.py --backend fla --T 32768 --docs 9
-    python3 scripts/profile_layer.py --only ours --gaps --why "Memcpy|direct_copy|elementwise"
+    FLA_FLASH_QLA=0 python3 benchmarks/profile_layer.py --backend fla --T 32768 --docs 9
+    python3 benchmarks/profile_layer.py --only ours --gaps --why "Memcpy|direct_copy|elementwise"
 
 ``--gaps``: the time the GPU sat idle inside the profiled steps (the span from the first kernel's start to the
 last one's end, less the kernels' union), the largest idle gaps with the kernels around them, and the host
@@ -13,7 +13,7 @@ synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEv
 copies) with the aten ops they ran in. ``--why PATTERN``: for each kernel whose name matches the regular
 expression, the aten ops and Python frames that launched it (one line per distinct origin, with its time).
 
-``--loop N``: N more steps as ``triton.testing.do_bench`` times them in examples/bench_vs_fla.py (a 256 MB L2 clear
+``--loop N``: N more steps as ``triton.testing.do_bench`` times them in benchmarks/bench_vs_fla.py (a 256 MB L2 clear
 before each, CUDA events around it), run twice. Unprofiled: the events' median / min / max ms per step, and the
 host's time to issue a step (``fwdbwd()`` called until it returns, no sync). Profiled, one row per step: the events'
 ms and the host ms of that run (the profiler slows the host), the GPU window (from the end of the step's L2-clear
@@ -21,7 +21,7 @@ kernel to the start of the next clear: it holds the backward's kernels, which au
 kernels' busy time and the idle time inside it, and its largest idle gap with the kernels on either side; before the
 table, each kernel's time per step inside the windows and their total (compare with the back-to-back table above).
 With ``--grad output`` (default) each step sets the gradients to None first, as do_bench's ``grad_to_none``; with
-``--grad loss`` they accumulate, as in sessions 1-20.
+``--grad loss`` they accumulate, as in bench_vs_fla.py's ``--grad loss``.
 """
 import argparse
 import collections
@@ -51,7 +51,7 @@ def main():
     ap.add_argument("--only", choices=["ours", "fla"], help="profile one layer only")
     ap.add_argument("--grad", choices=["output", "loss"], default="output",
                     help="backward from a random output gradient (grads set to None before each step), or from "
-                         "y.float().square().mean() with gradients accumulating (sessions 1-20)")
+                         "y.float().square().mean() with gradients accumulating")
     ap.add_argument("--gaps", action="store_true", help="GPU idle time in the steps, its largest gaps, host syncs")
     ap.add_argument("--why", metavar="PATTERN", help="the aten ops / Python frames launching matching kernels")
     ap.add_argument("--loop", type=int, metavar="N",

@@ -15,11 +15,11 @@ random documents), bf16, value checks off, after ``gdn_layer.kernels.warmup``:
   forward+backward, captured at the pack's capacity (T tokens, ``cu_seqlens`` padded to ``docs + 4``
   segments) and replayed after copying in another packing each time.
 
-If ``host_ms > gpu_ms`` the GPU waits on this layer (the issue-23 target: host below GPU at 8k).
+If ``host_ms > gpu_ms`` the GPU waits on this layer (the aim: host below GPU at 8k, so a training step is GPU-bound).
 A fresh ``cu_seqlens`` tensor is made for every call, as a training loop gets one per step (nothing
 derived from an earlier call's is reused), unless ``--same-cu``.
 
-    python scripts/bench_host_cost.py [--backend auto] [--T 2048 8192 32768] [--json out.json] [--top 0]
+    python benchmarks/bench_host_cost.py [--backend auto] [--T 2048 8192 32768] [--json out.json] [--top 0]
 
 ``--top N`` also prints the N host ops with the largest self CPU time and the N most launched kernels
 of the first shape and length. ``--pyprof N`` runs N more calls under torch.profiler's Python tracer and

@@ -10,7 +10,7 @@ the top kernels; the host calls that wait for the GPU (``cudaStreamSynchronize``
 ``aten::item`` / ``_local_scalar_dense``) with their counts per step, and the Python frames of one
 step's device syncs.
 
-    python3 scripts/profile_finetune.py --model DIR --device cuda --dtype bfloat16 --seq-len 8192 --train all \
+    python3 benchmarks/profile_finetune.py --model DIR --device cuda --dtype bfloat16 --seq-len 8192 --train all \
         [--profile-steps 5] [--cuda-graphs]
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GPU check and timing of the Triton causal conv1d (kernels/triton/conv.py). Needs CUDA.
 
-    python3 scripts/bench_triton_conv.py [--quick | --sweep | --stages | --stages-fwd-dx]
+    python3 benchmarks/bench_triton_conv.py [--quick | --sweep | --stages | --stages-fwd-dx]
 
 1. compiled variants stay fixed across packed layouts (T, N, lengths) once each flag combination ran;
 2. forward + backward make no host sync (torch.cuda.set_sync_debug_mode("error"));

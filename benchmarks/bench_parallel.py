@@ -16,9 +16,9 @@ backward. A mode that runs out of GPU memory gives an ``OOM`` row. Rank 0 prints
 (``--json`` writes it); ``--check`` first prints each mode's max relative error against ``one`` (output and
 input gradient, on every rank).
 
-    torchrun --nproc_per_node=2 examples/bench_parallel.py --device cuda --dtype bfloat16 --backend auto \\
+    torchrun --nproc_per_node=2 benchmarks/bench_parallel.py --device cuda --dtype bfloat16 --backend auto \\
         --seq-lens 65536 131072 --docs 9
-    torchrun --nproc_per_node=2 examples/bench_parallel.py --device cpu --dtype float32 --backend torch \\
+    torchrun --nproc_per_node=2 benchmarks/bench_parallel.py --device cpu --dtype float32 --backend torch \\
         --seq-lens 512 --hidden 64 --k-heads 2 --v-heads 4 --head-dim 16
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GPU timing of the Triton gated RMSNorm (kernels/triton/norm.py) at Qwen3-Next's shape. Needs CUDA.
 
-    python3 scripts/bench_triton_norm.py [--T 32768] [--heads 32] [--D 128] [--weight-dtype bfloat16]
+    python3 benchmarks/bench_triton_norm.py [--T 32768] [--heads 32] [--D 128] [--weight-dtype bfloat16]
 
 Forward and backward times (median of ``triton.testing.do_bench``, bf16 x / z / dy, the weight in
 ``--weight-dtype``: bf16 as in a layer built in bf16, where the kernels round twice more) against

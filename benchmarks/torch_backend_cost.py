@@ -1,7 +1,7 @@
 """Time and peak memory of the torch backend (the CPU path) on packs that mix one long and many short
 documents, and on one very long document; the numbers in docs/kernels.md come from this script.
 
-    OMP_NUM_THREADS=1 python examples/torch_backend_cost.py
+    OMP_NUM_THREADS=1 python benchmarks/torch_backend_cost.py
 
 Memory is the peak of the bytes held by torch's CPU allocator during the call, above what was held
 before it (torch's profiler with ``profile_memory=True``): inputs and weights already allocated do not

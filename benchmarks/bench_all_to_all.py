@@ -10,8 +10,8 @@ the slowest rank's median. A second table times the layer's way in: the input pr
 the packed buffer) as one GEMM followed by ``seq_to_head``, against ``project_seq_to_head`` (the GEMM
 writes the send buffer itself), forward+backward. Rank 0 prints the tables (and ``--json`` writes them).
 
-    torchrun --nproc_per_node=2 examples/bench_all_to_all.py --device cuda --dtype bfloat16 --seq-lens 65536 131072
-    torchrun --nproc_per_node=2 examples/bench_all_to_all.py --device cpu --dtype float32 --seq-lens 256 \\
+    torchrun --nproc_per_node=2 benchmarks/bench_all_to_all.py --device cuda --dtype bfloat16 --seq-lens 65536 131072
+    torchrun --nproc_per_node=2 benchmarks/bench_all_to_all.py --device cpu --dtype float32 --seq-lens 256 \\
         --hidden 64 --k-heads 2 --v-heads 4 --head-dim 16
 """
 from __future__ import annotations

@@ -12,8 +12,8 @@ Each sequence is prefilled with ``--prefill`` tokens, then one token per sequenc
   ``fused_recurrent_gated_delta_rule`` with the gate, beta and q/k L2 norm in the kernel, ``FusedRMSNormGated``,
   output projection) with the state rows gathered from and written back to a pool, in one CUDA graph.
 
-    python examples/bench_decode.py --n 1 64 256     # a few minutes: warmup(layer) first compiles every kernel
-    python examples/bench_decode.py --warmup none    # compiles only what the decode steps launch
+    python benchmarks/bench_decode.py --n 1 64 256     # a few minutes: warmup(layer) first compiles every kernel
+    python benchmarks/bench_decode.py --warmup none    # compiles only what the decode steps launch
 """
 from __future__ import annotations
 

@@ -3,14 +3,14 @@ their outputs, so what is timed is the layer's Python, the validation, the custo
 autograd, and the aten ops around them (projections, casts, gradient sums), on the CPU (or, with
 ``--device cuda``, the host side of the same on a GPU machine).
 
-    python scripts/bench_null_backend.py [--T 16] [--device cpu|cuda] [--count-ops]
+    python benchmarks/bench_null_backend.py [--T 16] [--device cpu|cuda] [--count-ops]
 
 The layer is tiny (hidden 64, Hk 2, Hv 4, D 16) so that on the CPU the aten ops' compute is negligible.
 
 Prints the median host ms of one forward+backward and of one no-grad forward (value checks off).
 ``--count-ops``: instead, the ops the layer dispatches in one forward+backward (a ``TorchDispatchMode``;
 the custom ops count one each, what runs inside them is the backend's), and how many are custom ops.
-Compare with ``bench_host_cost.py --breakdown``'s "rest" on a GPU (docs/performance.md, issue 23).
+Compare with ``bench_host_cost.py --breakdown``'s "rest" on a GPU (docs/performance.md).
 """
 import argparse
 import os

@@ -8,9 +8,9 @@ CP choice would have flipped) and prints, per layout, the kernels compiled durin
 new in the caches, and Triton JIT compiles counted by ``knobs.runtime.jit_post_compile_hook``) and its
 first-call vs steady-state time. Must print 0 new compiles everywhere.
 
-    python examples/compile_check.py --backend auto --dtype bfloat16          # Qwen3-Next's layer shape
-    python examples/compile_check.py --backend fla --dtype float32 --head-dim 64
-    python examples/compile_check.py --backend auto --no-states      # the training path only (faster cold)
+    python benchmarks/compile_check.py --backend auto --dtype bfloat16          # Qwen3-Next's layer shape
+    python benchmarks/compile_check.py --backend fla --dtype float32 --head-dim 64
+    python benchmarks/compile_check.py --backend auto --no-states      # the training path only (faster cold)
 """
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # requires
 
 
 def layouts(seed: int = 0):

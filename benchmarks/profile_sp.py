@@ -13,8 +13,8 @@ other kernels ran (compute), the part of NCCL time with compute running beside i
 without (exposed), the idle time inside the span, and the top kernels by time. ``--trace DIR`` also
 writes each rank's Chrome trace (``trace_rank{r}.json.gz``).
 
-    torchrun --nproc_per_node=2 scripts/profile_sp.py --what layer --T 65536 --docs 9
-    torchrun --nproc_per_node=2 scripts/profile_sp.py --what a2a --T 65536
+    torchrun --nproc_per_node=2 benchmarks/profile_sp.py --what layer --T 65536 --docs 9
+    torchrun --nproc_per_node=2 benchmarks/profile_sp.py --what a2a --T 65536
 """
 from __future__ import annotations
 

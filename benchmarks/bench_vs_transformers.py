@@ -6,8 +6,8 @@ other, so the ratio is measured under the same conditions. transformers' block i
 the line printed says which). Packed input: transformers cannot take ``cu_seqlens`` in its torch
 fallback, so for it the pack is run as one sequence (the same token count and cost).
 
-    python examples/benchmark.py --device cuda --dtype bfloat16 --seq-lens 4096 16384
-    python examples/benchmark.py --device cpu --dtype float32 --seq-lens 1024 --hidden 256 --k-heads 2 --v-heads 4 --head-dim 64
+    python benchmarks/bench_vs_transformers.py --device cuda --dtype bfloat16 --seq-lens 4096 16384
+    python benchmarks/bench_vs_transformers.py --device cpu --dtype float32 --seq-lens 1024 --hidden 256 --k-heads 2 --v-heads 4 --head-dim 64
 """
 from __future__ import annotations
 

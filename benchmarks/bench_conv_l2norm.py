@@ -1,7 +1,7 @@
 """The layer's q / k conv with its L2 norm fused (``l2norm_dim``) against the conv and the separate norm
 kernels it replaces, on the GPU: times and agreement. Needs CUDA.
 
-    python3 scripts/bench_conv_l2norm.py [--T 32768] [--docs 9]
+    python3 benchmarks/bench_conv_l2norm.py [--T 32768] [--docs 9]
 
 Qwen3-Next's q and k (Hk 16 heads of 128 channels each, W = 4, bf16), x channel slices of the layer's
 ``[T, C + 2 Hv]`` pre-conv buffer, T tokens packed in --docs documents. Per step, as the layer runs them:

@@ -7,13 +7,12 @@ unless ``FLA_FLASH_QLA=0``; set that to compare the Triton paths.
 
 What a forward+backward is (``--grad``): ``output`` (the default) times the layer as it runs inside a model:
 ``y.backward(dy)`` with a random bf16 ``dy`` drawn once, the input's and parameters' gradients set to None
-before each timed call (``do_bench(grad_to_none=...)``, as after ``zero_grad()``). ``loss`` is the
-measurement of sessions 1-20: ``y.float().square().mean().backward()``, gradients accumulating across calls,
-which adds the same ≈ 1.2 ms of fp32 loss kernels and gradient sums to both layers at T = 32k (profile of
-session 21, docs/performance.md).
+before each timed call (``do_bench(grad_to_none=...)``, as after ``zero_grad()``). ``loss`` backpropagates
+``y.float().square().mean()`` with gradients accumulating across calls, which adds the same ≈ 1.2 ms of fp32
+loss kernels and gradient sums to both layers at T = 32k (docs/performance.md).
 
-    python examples/bench_vs_fla.py --backend fla --T 32768 --docs 9
-    python examples/bench_vs_fla.py --backend fla --max-tokens      # largest pack of 32k documents that fits
+    python benchmarks/bench_vs_fla.py --backend fla --T 32768 --docs 9
+    python benchmarks/bench_vs_fla.py --backend fla --max-tokens      # largest pack of 32k documents that fits
 
 ``--max-tokens`` instead runs one forward+backward per layer at growing packed lengths (documents of
 32 768 tokens) until the GPU runs out of memory, and prints the largest that fit, its peak memory and time.
@@ -22,10 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import sys
 
 import torch
 import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # requires
 
 
 def main(argv=None):
@@ -35,9 +38,9 @@ def main(argv=None):
     ap.add_argument("--T", type=int, nargs="+", default=[32768], help="packed lengths, one table row each")
     ap.add_argument("--docs", type=int, default=9, help="documents per pack (random boundaries, seed 0)")
     ap.add_argument("--rep", type=int, default=1000,
-                    help="do_bench's timing budget per measurement, ms: about rep / step time timed steps, whose median is reported (before 2026-12-03: 100, i.e. 6 steps at 32k and 1 at 128k)")
+                    help="do_bench's timing budget per measurement, ms: about rep / step time timed steps, whose median is reported (at 100 only 6 steps at 32k and 1 at 128k would be timed)")
     ap.add_argument("--grad", choices=["output", "loss"], default="output",
-                    help="backward from a random output gradient, or from the fp32 square-mean loss (sessions 1-20)")
+                    help="backward from a random output gradient, or from the fp32 square-mean loss with gradients accumulating")
     ap.add_argument("--max-tokens", action="store_true", help="search the largest packed T that fits instead")
     ap.add_argument("--layers", nargs="+", default=["ours", "fla"], choices=["ours", "fla"],
                     help="with --max-tokens: which layers to search")
