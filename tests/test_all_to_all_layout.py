@@ -1,5 +1,5 @@
 """How the all-to-all pair moves bytes: slice copies instead of a gather, the receive buffer returned as a
-view, a backward without any accumulating index-put (issue 13: on CUDA that index-put cost 60x the
+view, a backward without any accumulating index-put (on CUDA one costs 60x the
 collective), and the block a rank keeps for itself never entering the exchange (it is copied while the
 peers' blocks are in flight). Values and gradients are checked against plain indexing in float64,
 single process and over gloo with the layer's own ``_feature_index``; what reaches

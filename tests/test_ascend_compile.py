@@ -61,8 +61,8 @@ def probe(*args, timeout=300, check=True):
 
 
 def test_the_split_conv_lowers_for_the_npu():
-    """The split conv's kernels (q, k, v written and read as three parts, ``PARTS == 3``) lower: their
-    first form, a select of pointers per column, crashed triton-adapter-opt every time. (The ``ascend``
+    """The split conv's kernels (q, k, v written and read as three parts, ``PARTS == 3``) lower: a select
+    of pointers per column, the obvious form, crashes triton-adapter-opt every time. (The ``ascend``
     backend still runs one conv per part: the split is not timed on an NPU.)"""
     r = probe("--layouts", "1", "--split-conv")
     new = r["layouts"][0]["new"]

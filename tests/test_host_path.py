@@ -1,4 +1,4 @@
-"""The layer's own work around the kernels in a training step (issue 23, item 1: launches on the hot path).
+"""The layer's own work around the kernels in a training step: the launches on the hot path.
 
 A backend whose functions only allocate their outputs stands in for the kernels, and a dispatch mode
 records every aten op the layer itself issues (the custom ops count as one op each; what runs inside

@@ -1,4 +1,4 @@
-"""The layer in real train / eval loops (issue 21): the one caching rule (``gdn_layer.derived``) under
+"""The layer in real train / eval loops: the one caching rule (``gdn_layer.derived``) under
 every way a buffer gets refilled, an eval pass under ``inference_mode`` before SP training, ``warmup``
 on ranks seeded differently, and ``reduce_sp_grads`` for parameters some or no rank used.
 
@@ -248,7 +248,8 @@ def test_layer_module_reads_as_the_block():
 
 
 # ------------------------------------------------------------------------------------------------
-# what a malformed input on one rank raises must reach the agreement step (found by the breaker)
+# what a malformed input on one rank raises must reach the agreement step: every rank raises together, instead of
+# the others waiting in a collective that rank never joins
 
 def _malformed_on_one_rank(rank, world, case):
     from gdn_layer import GDNState

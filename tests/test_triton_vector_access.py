@@ -1,4 +1,4 @@
-"""The layer's Triton kernels read and write their 16-bit rows as 16-byte vectors on a GPU (issue 23, item 4).
+"""The layer's Triton kernels read and write their 16-bit rows as 16-byte vectors on a GPU.
 
 ``tests/vector_probe.py`` runs in a subprocess (Triton's interpreter off, the fake SM90 driver of
 ``fake_cuda_driver``: the real compiler down to PTX) and compiles the kernels with the layer's training
@@ -6,9 +6,9 @@ flags (bf16, packed, no bias, no conv states) at a head layout whose pre-conv ro
 is not a multiple of 16 (hv = 4: Triton's ``% 16`` specialisation cannot show its rows are 16-byte aligned,
 as under SP when a rank holds 4 value heads). In each kernel's tile loop (the PTX after the entry block)
 it counts 2-byte global loads and stores, one element per instruction, and 4-byte ones (a row read two
-elements at a time); the conv runs packed and as a padded batch of two rows. On an H200 the first form of these
-kernels, with such accesses, took 1.58 ms for the conv's dz pass at 32k tokens and Qwen3-Next's shape; with
-16-byte rows 0.92 ms (docs/performance.md, session 15).
+elements at a time); the conv runs packed and as a padded batch of two rows. On an H200, with such accesses the
+conv's dz pass takes 1.58 ms at 32k tokens and Qwen3-Next's shape; with 16-byte rows 0.92 ms
+(docs/performance.md).
 
 The count can fail: ``--negative-control`` compiles a row copy whose row stride is a runtime argument, and
 the second test asserts the probe sees its 2-byte accesses. (Dropping the conv's ``X_ALIGN`` hint, the L2
