@@ -14,6 +14,11 @@ padding sequence (or an unwritten checkpoint) are sent to the row of a written e
 (or, when none is written, to row 0 with its own value), so every duplicate index carries the same bytes and
 no other row changes.
 
+A decode step (one token per sequence: ``x [N, 1, hidden]`` without ``cu_seqlens``, no checkpoints) on a CUDA
+device runs its conv update, gate, q / k norm and delta-rule step as two fused kernels that read and write the
+pool rows through ``slots`` themselves (``kernels/triton/decode.py``); every other call gathers the rows, runs
+the layer's own dataflow and writes them back.
+
 Checkpoints run the call in rounds: round ``j < M`` takes tokens ``[j E, (j + 1) E)`` of every sequence as one
 packed batch (static capacity ``N E``, a trailing filler segment), a last round the rest; each round starts
 from the states of the one before, so the results equal one call per sequence (the conv and the delta rule
@@ -28,6 +33,10 @@ import torch
 from gdn_layer.checks import check_inputs, positive_int
 from gdn_layer.kernels.validation import values_checkable
 from gdn_layer.state import GDNState, check_state
+from gdn_layer.submodules import conv_weight
+
+# the fused decode step on CPU tensors too (tests, under TRITON_INTERPRET=1); on CUDA it is always on
+FUSED_DECODE_ON_CPU = False
 
 
 @dataclass
@@ -211,6 +220,9 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
     if B * T == 0:                             # no token: every row stays as it is
         return x.new_zeros(B, T, layer.hidden_size)
     mixed, z = layer._project(x)
+    if _fused_decode(x, cu, call):
+        o = _decode_step(layer, mixed.reshape(B, -1), call)
+        return layer.out_proj(layer.norm(o[:, None], z).flatten(2))
     mixed = mixed.reshape(1, B * T, -1)        # B rows are B sequences of call.cu
     state = gather(call)
     if call.ck is None:
@@ -225,6 +237,26 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
     o = torch.where(token_valid[None, :, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
     o = layer.norm(o.reshape(B, T, layer.num_v_heads, layer.head_v_dim), z)
     return layer.out_proj(o.flatten(2))
+
+
+def _fused_decode(x, cu, call: PoolCall) -> bool:
+    """Whether the call is a decode step the fused kernels take (from shapes and the device alone)."""
+    pool = call.pool
+    return (call.ck is None and cu is None and x.shape[1] == 1
+            and pool.conv_state.stride(-1) == 1 and pool.recurrent_state.stride(-1) == 1
+            and (x.is_cuda or (FUSED_DECODE_ON_CPU and x.device.type == "cpu")))
+
+
+def _decode_step(layer, mixed, call: PoolCall):
+    """``o [N, Hv, Dv]`` of one token per sequence, the pool rows updated in place (kernels/triton/decode.py)."""
+    from gdn_layer.kernels.triton.decode import decode_step
+    pool = call.pool
+    weight = conv_weight(layer.conv1d).squeeze(1)
+    return decode_step(mixed if mixed.stride(-1) == 1 else mixed.contiguous(),
+                       weight if weight.stride(-1) == 1 else weight.contiguous(),
+                       layer.A_log.contiguous(), layer.dt_bias.contiguous(), pool.conv_state,
+                       pool.recurrent_state, call.slots, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim,
+                       layer.head_v_dim)
 
 
 def _mix_from(layer, mixed, cu, state: GDNState):

@@ -96,6 +96,12 @@ def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=Tru
     else:
         o = v
         triton_ops.l2norm_qk_bwd(q, k, *triton_ops.l2norm_qk_fwd(q, k))   # (the pair, as the backends launch it)
+    # a decode step from a state pool (kernels/triton/decode.py): N sequences, rows through slots
+    from gdn_layer.kernels.triton.decode import decode_step
+    rows = N + 3
+    slots = torch.randperm(rows, generator=g)[:N]
+    decode_step(mixed[0, :N], weight, A_log, dt_bias, torch.randn(rows, C, W - 1), torch.randn(rows, Hv, D, D),
+                slots, Hk, Hv, D, D)
     triton_ops.norm_bwd(o, o, z, torch.ones(D, dtype=dtype), 1e-6)
     triton_ops.norm_fwd(o, z, torch.ones(D, dtype=dtype), 1e-6)
 

@@ -315,3 +315,68 @@ def test_calls_without_tokens_keep_every_row():
         y2 = layer(torch.zeros(2, 0, HIDDEN, dtype=torch.float64), state=pool, state_slots=torch.tensor([2, 3]))
     assert y1.shape == (1, 0, HIDDEN) and y2.shape == (2, 0, HIDDEN)
     assert torch.equal(pool.recurrent_state, before.recurrent_state) and torch.equal(pool.conv_state, before.conv_state)
+
+
+@pytest.fixture
+def fused_decode_on_cpu(monkeypatch):
+    """The fused decode kernels (kernels/triton/decode.py) for CPU tensors, under Triton's interpreter; counts
+    their calls, so a test sees that they ran."""
+    from gdn_layer import pool as pool_module
+    from gdn_layer.kernels.triton import decode
+    calls = []
+    real = decode.decode_step
+
+    def counting(*args, **kwargs):
+        calls.append(args[6].clone())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(pool_module, "FUSED_DECODE_ON_CPU", True)
+    monkeypatch.setattr(decode, "decode_step", counting)
+    return calls
+
+
+def test_the_fused_decode_step_equals_each_sequence_alone(fused_decode_on_cpu):
+    layer = make_layer()
+    pool = filled_pool(layer, 8)
+    pool.recurrent_state[0] = float("nan")        # row 0: named by no sequence (padding reads nothing)
+    pool.conv_state[0] = float("nan")
+    before = copy_of(pool)
+    slots = torch.tensor([5, -1, 2, 7, 3])
+    x = torch.randn(5, 1, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        y = layer(x, state=pool, state_slots=slots)
+    assert len(fused_decode_on_cpu) == 1
+    assert y[1].abs().max() == 0 and torch.isfinite(y).all()
+    for i, r in enumerate(slots.tolist()):
+        if r < 0:
+            continue
+        want_y, want = alone(layer, x[i:i + 1], GDNState(before.conv_state[r:r + 1], before.recurrent_state[r:r + 1]))
+        assert err(y[i:i + 1], want_y) < 1e-12
+        assert err(pool.recurrent_state[r], want.recurrent_state[0]) < 1e-12
+        assert err(pool.conv_state[r], want.conv_state[0]) < 1e-12
+    untouched = [r for r in range(8) if r not in slots.tolist()]
+    assert torch.equal(pool.recurrent_state[untouched[1:]], before.recurrent_state[untouched[1:]])
+    assert torch.equal(pool.conv_state[untouched[1:]], before.conv_state[untouched[1:]])
+    assert torch.isnan(pool.recurrent_state[0]).all() and torch.isnan(pool.conv_state[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_decode_step_equals_the_op_by_op_pool_step(fused_decode_on_cpu, monkeypatch, dtype):
+    """Low precision: the fused kernels round where the op-by-op path rounds (conv output, beta, o)."""
+    from gdn_layer import pool as pool_module
+    layer = make_layer(dtype=dtype)
+    pools = [filled_pool(layer, 6), filled_pool(layer, 6)]
+    slots = torch.tensor([4, 0, -1])
+    xs = torch.randn(3, 3, 1, HIDDEN, dtype=dtype)
+    outs = []
+    for fused, pool in zip((True, False), pools):
+        monkeypatch.setattr(pool_module, "FUSED_DECODE_ON_CPU", fused)
+        with torch.no_grad():
+            outs.append(torch.stack([layer(xs[t], state=pool, state_slots=slots) for t in range(3)]))
+    assert len(fused_decode_on_cpu) == 3
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(outs[0], outs[1]) < tol
+    assert rel(pools[0].recurrent_state, pools[1].recurrent_state) < tol
+    assert rel(pools[0].conv_state, pools[1].conv_state) < tol
