@@ -15,7 +15,8 @@ random documents), bf16, value checks off, after ``gdn_layer.kernels.warmup``:
   forward+backward, captured at the pack's capacity (T tokens, ``cu_seqlens`` padded to ``docs + 4``
   segments) and replayed after copying in another packing each time.
 
-If ``host_ms > gpu_ms`` the GPU waits on this layer (the aim: host below GPU at 8k, so a training step is GPU-bound).
+If ``host_ms > gpu_ms`` the GPU waits on this layer (the aim: host below GPU at 8k, so that a training step is
+bound by the GPU).
 A fresh ``cu_seqlens`` tensor is made for every call, as a training loop gets one per step (nothing
 derived from an earlier call's is reused), unless ``--same-cu``.
 

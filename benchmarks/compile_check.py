@@ -3,10 +3,11 @@ compile nothing, on every backend the layer can use.
 
 Starts with empty Triton and TileLang caches (fresh temporary folders, set before either is imported),
 builds one GatedDeltaNet layer, times ``gdn_layer.kernels.warmup(layer)``, then runs forward+backward
-over 9 packed layouts (few long documents and many short ones, one with an empty segment, so FlashQLA's old automatic intra-card
-CP choice would have flipped) and prints, per layout, the kernels compiled during its first call (files
-new in the caches, and Triton JIT compiles counted by ``knobs.runtime.jit_post_compile_hook``) and its
-first-call vs steady-state time. Must print 0 new compiles everywhere.
+over 9 packed layouts (few long documents and many short ones, one with an empty segment: on both sides of
+FlashQLA's automatic intra-card CP choice, which the backend keeps off because each side compiles its own
+kernels) and prints, per layout, the kernels compiled during its first call (files new in the caches, and
+Triton JIT compiles counted by ``knobs.runtime.jit_post_compile_hook``) and its first-call vs steady-state
+time. Must print 0 new compiles everywhere.
 
     python benchmarks/compile_check.py --backend auto --dtype bfloat16          # Qwen3-Next's layer shape
     python benchmarks/compile_check.py --backend fla --dtype float32 --head-dim 64
