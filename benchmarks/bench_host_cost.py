@@ -97,7 +97,7 @@ _OURS = tuple(os.path.join(_REPO, d) + os.sep for d in ("gdn_layer", "kernels", 
 
 def _resolve(path: str) -> str:
     """The absolute file of a frame name: torch's tracer cuts any ``sys.path`` prefix off (a checkout on
-    ``PYTHONPATH`` gives ``kernels/ops.py``), so a relative name is looked up along ``sys.path``."""
+    ``PYTHONPATH`` gives ``kernels/registry.py``), so a relative name is looked up along ``sys.path``."""
     if os.path.isabs(path):
         return path
     for root in sys.path:
