@@ -5,12 +5,16 @@
     python examples/finetune.py --tiny --steps 3              # one process, tiny random model
     python examples/finetune.py --device cuda --cuda-graphs   # the step captured in a CUDA graph (sp = 1)
     python examples/finetune.py --device cuda --graph-layers  # each GatedDeltaNet in its own CUDA graph (sp = 1)
+    python examples/finetune.py --device cuda --doc-mode concat --layers none  # attention only, long documents
 
 World = dp * sp ranks; SP groups are consecutive ranks. Each step every data-parallel replica takes one
 packed sequence of ``--seq-len`` tokens (documents back to back, ``cu_seqlens`` at their boundaries);
-its SP ranks each hold a contiguous ``T / sp`` slice. Gradients are summed over SP (``reduce_sp_grads``)
-and averaged over DP. With ``--cuda-graphs`` forward + loss + backward are one CUDA graph replayed on
-static buffers (graph_step.py); with ``--graph-layers`` only the GatedDeltaNet layers are (gdn_layer.graphed).
+its SP ranks each hold a contiguous ``T / sp`` slice (``--doc-mode concat``: one document per sequence).
+The softmax attention layers attend within documents through FlexAttention (``--attention flex``, the
+default on CUDA) or SDPA with a dense mask (``--attention sdpa``, the default on the CPU). Gradients are
+summed over SP (``reduce_sp_grads``) and averaged over DP. With ``--cuda-graphs`` forward + loss + backward
+are one CUDA graph replayed on static buffers (graph_step.py); with ``--graph-layers`` only the
+GatedDeltaNet layers are (gdn_layer.graphed).
 Writes to ``--out``: ``checkpoint.pt`` (atomic, see checkpoint.py),
 ``loss.png``, ``log.jsonl``, ``metrics.json``. A resumed run cuts ``log.jsonl`` back to the checkpoint's step, so after a
 crash and ``--resume`` every output equals an uninterrupted run's. See docs/finetune.md.
@@ -37,7 +41,8 @@ from tqdm import tqdm
 import graph_step
 import text_data
 from checkpoint import load_checkpoint, save_checkpoint, truncate_log
-from hybrid import check_model_path, default_gdn_heads, hybrid_forward, load_model, local_loss, make_hybrid, parse_layers
+from hybrid import (ATTENTION, check_model_path, default_gdn_heads, hybrid_forward, load_model, local_loss, make_hybrid,
+                    parse_layers, set_attention)
 from gdn_layer import GatedDeltaNet, make_graphed_layers
 from gdn_layer.parallel import reduce_sp_grads
 
@@ -81,6 +86,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", help="GatedDeltaNet kernel backend")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: CUDA when visible (each torchrun rank takes its LOCAL_RANK's GPU), else the CPU")
+    p.add_argument("--attention", choices=sorted(ATTENTION),
+                   help="the softmax attention layers (the hybrid's and the attention-only model's): flex = "
+                        "FlexAttention with a document block mask built on the device from cu_seqlens (CUDA only: "
+                        "it has no backward on the CPU); sdpa = SDPA with a dense [T, T] document mask "
+                        "(default: flex on CUDA, sdpa on the CPU)")
+    p.add_argument("--doc-mode", default="short", choices=list(text_data.DOC_MODES),
+                   help="short: each document (a fortune) is its own segment, many per sequence; concat: the "
+                        "documents joined into one text, so each sequence is one document of --seq-len tokens")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="capture forward + loss + backward once in a CUDA graph and replay it every step, on "
                         "static buffers of --seq-len tokens and the largest document count of any batch "
@@ -112,9 +125,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError("--cuda-graphs captures the whole step, GatedDeltaNet layers included: pass one of "
                          "--cuda-graphs and --graph-layers")
     graphs = "--cuda-graphs" if args.cuda_graphs else "--graph-layers" if args.graph_layers else None
-    if graphs and (args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())):
-        raise ValueError(f"{graphs} needs --device cuda (there is nothing to capture on the CPU), got "
-                         f"--device {args.device}" + (" with no CUDA device visible" if args.device == "auto" else ""))
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    device = f"--device {args.device}" + (" with no CUDA device visible" if args.device == "auto" else "")
+    if graphs and on_cpu:
+        raise ValueError(f"{graphs} needs --device cuda (there is nothing to capture on the CPU), got {device}")
+    if args.attention is None:
+        args.attention = "sdpa" if on_cpu else "flex"
+    elif args.attention == "flex" and on_cpu:
+        raise ValueError(f"--attention flex needs --device cuda (FlexAttention has no backward on the CPU), got "
+                         f"{device}; pass --attention sdpa")
     if args.cp > 1 and (args.sp or 1) != 1:
         raise ValueError(f"--cp {args.cp} runs with --sp 1 (this example does not build a cp x sp mesh)")
     split = sequence_split(args.sp, args.cp, int(os.environ.get("WORLD_SIZE", "1")))
@@ -303,7 +322,7 @@ def plot_losses(history: list[float], evals: dict, original: float | None, path:
 def config_of(args) -> dict:
     """What a checkpoint must agree on to be resumed (the SP size may change; ``restore`` checks the DP size)."""
     return {k: getattr(args, k) for k in ["model", "tiny", "data", "layers", "gdn_heads", "conv_init", "train",
-                                          "seq_len", "lr", "warmup", "seed", "dtype"]}
+                                          "seq_len", "lr", "warmup", "seed", "dtype", "doc_mode"]}
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -314,6 +333,7 @@ def build(args, ctx: Ctx):
     state-dict keys a checkpoint holds (the GDN layers and every trainable parameter).
     """
     model, encode, eos = load_model(args.model, args.tiny, DTYPES[args.dtype], args.seed)
+    set_attention(model, args.attention)
     cfg = model.config
     layers = parse_layers(args.layers, cfg.num_hidden_layers)
     hk, hv = default_gdn_heads(cfg.num_attention_heads, cfg.num_key_value_heads)
@@ -328,8 +348,9 @@ def build(args, ctx: Ctx):
     docs, sources = text_data.read_documents(args.data)
     train_docs, held_docs = text_data.split_documents(docs)
     held = text_data.pack(text_data.tokenize(held_docs, encode, eos, args.eval_tokens + args.seq_len),
-                          args.seq_len, max_batches=max(1, args.eval_tokens // args.seq_len))
-    train = text_data.pack(text_data.tokenize(train_docs, encode, eos), args.seq_len)
+                          args.seq_len, max_batches=max(1, args.eval_tokens // args.seq_len),
+                          doc_mode=args.doc_mode)
+    train = text_data.pack(text_data.tokenize(train_docs, encode, eos), args.seq_len, doc_mode=args.doc_mode)
     if not train or not held:
         raise ValueError(f"--data too small for --seq-len {args.seq_len}: {len(train)} train / {len(held)} held-out sequences")
     original = None if args.resume or not layers else evaluate(model.to(ctx.device), held, ctx)
@@ -348,7 +369,8 @@ def build(args, ctx: Ctx):
                f"{cfg.num_hidden_layers} layers, GDN in {layers} (Hk={hk}, Hv={hv}, D={cfg.head_dim}, "
                f"{n_gdn / 1e6:.2f}M params); training {sum(p.numel() for p in params) / 1e6:.2f}M params\n"
                f"data: {len(docs)} documents from {len(sources)} files; {len(train)} train / {len(held)} "
-               f"held-out sequences of {args.seq_len}; world {ctx.dp * ctx.sp} = dp {ctx.dp} x {'cp' if ctx.cp else 'sp'} {ctx.sp} "
+               f"held-out sequences of {args.seq_len} (--doc-mode {args.doc_mode}); attention: {args.attention}; "
+               f"world {ctx.dp * ctx.sp} = dp {ctx.dp} x {'cp' if ctx.cp else 'sp'} {ctx.sp} "
                f"on {ctx.device}")
     return model, params, saved_keys, train, held, original, summary
 
@@ -369,8 +391,9 @@ def restore(path: str, args, model, optimizer, sched, saved_keys: list[str], ctx
     if state["step"] > args.steps:
         raise ValueError(f"--steps {args.steps} is below the checkpoint's step {state['step']}")
     now = config_of(args)
-    if state["config"] != now:
-        diff = {k: (v, now[k]) for k, v in state["config"].items() if now[k] != v}
+    saved = {"doc_mode": "short"} | state["config"]   # checkpoints from before --doc-mode: short documents
+    if saved != now:
+        diff = {k: (v, now[k]) for k, v in saved.items() if now[k] != v}
         raise ValueError(f"--resume: checkpoint was made with different settings (saved, now): {diff}")
     saved_dp = state.get("dp", ctx.dp)          # checkpoints from before the DP size was saved: unchecked
     if saved_dp != ctx.dp:

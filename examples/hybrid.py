@@ -3,14 +3,17 @@
 ``make_hybrid`` replaces the softmax attention of chosen layers with ``GatedDeltaNet``, initialised from
 that layer's attention weights (``gdn_from_attention`` documents the mapping). ``hybrid_forward`` runs
 the model's own modules on this rank's contiguous slice of a packed sequence: every op of a Llama layer
-is per token except softmax attention, so the kept attention layers gather the full sequence, attend with
-a block-diagonal causal mask from ``cu_seqlens``, and keep their own slice of the output; the GDN layers
-do their own all-to-all inside. Works for any transformers model laid out like Llama (Llama, Mistral,
+is per token except softmax attention, so the kept attention layers gather the full sequence, attend
+within each document (causal, no token sees another document: ``cu_seqlens``), and keep their own slice
+of the output; the GDN layers do their own all-to-all inside. ``set_attention`` picks how the softmax
+layers attend: FlexAttention with a document block mask (``"flex"``) or SDPA with a dense ``[T, T]`` mask
+(``"sdpa"``). Works for any transformers model laid out like Llama (Llama, Mistral,
 Qwen2/3, SmolLM): ``model.model.{embed_tokens, layers, norm, rotary_emb}``, ``model.lm_head``, each layer
 with ``input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp``.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import os
@@ -18,6 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from gdn_layer import GatedDeltaNet
 from gdn_layer.parallel import gather_sequence, shard_sequence
@@ -173,14 +177,79 @@ def make_hybrid(model: nn.Module, layers: list[int], hk: int, hv: int, sp_group,
         block.self_attn = gdn_from_attention(block.self_attn, model.config, hk, hv, sp_group, backend, conv_init, cp)
 
 
-# ---------------------------------------------------------------------------------------- forward
+# -------------------------------------------------------------------------------------- attention
+# --attention NAME -> the transformers attention implementation the softmax layers run with
+ATTENTION = {"flex": "flex_attention", "sdpa": "sdpa"}
+
+
+def set_attention(model: nn.Module, attention: str) -> None:
+    """Make every softmax attention layer of ``model`` run ``attention`` (a key of ``ATTENTION``).
+
+    ``"flex"``: transformers' ``flex_attention`` implementation, which takes the ``BlockMask`` of
+    ``document_block_mask`` and calls ``torch.compile(flex_attention)`` (compiled once per shape: a new
+    ``cu_seqlens`` layout at the same T is new data in the mask, not a new graph). FlexAttention has no
+    backward on the CPU, so it trains on CUDA only. ``"sdpa"``: torch SDPA with ``document_mask``'s dense
+    ``[1, 1, T, T]`` mask. ``hybrid_forward`` builds the mask that the model's implementation takes.
+    """
+    if attention not in ATTENTION:
+        raise ValueError(f"--attention must be one of {sorted(ATTENTION)}, got {attention!r}")
+    model.set_attn_implementation(ATTENTION[attention])
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """``[T]`` int64 on ``cu_seqlens``' device: the segment of each token (``cu[d] <= t < cu[d + 1]`` gives
+    ``d + 1``). Empty segments (a padded ``cu_seqlens``) hold no token; nothing is read on the host."""
+    pos = torch.arange(total, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens.to(torch.int64), pos, right=True)
+
+
 def document_mask(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
-    """``[1, 1, T, T]`` bool, True where query t may attend key s: same document and s <= t."""
+    """``[1, 1, T, T]`` bool on ``device``, True where query t may attend key s: same document and s <= t."""
+    doc = document_ids(cu_seqlens.to(device), total)
     pos = torch.arange(total, device=device)
-    doc = torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.int64), pos, right=True)
     return ((doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None]))[None, None]
 
 
+@functools.cache
+def _compiled_create_block_mask():
+    # static shapes: one graph per T; the document ids enter as a tensor in mask_mod's closure (data, not
+    # a guard). Compiled, the mask_mod is fused into the per-block reduction: no [T, T] tensor is made.
+    return torch.compile(create_block_mask, dynamic=False)
+
+
+def document_block_mask(cu_seqlens: torch.Tensor, total: int, block_size: int = 128,
+                        compiled: bool | None = None) -> BlockMask:
+    """The FlexAttention ``BlockMask`` of ``document_mask`` (same document and s <= t), on ``cu_seqlens``' device.
+
+    Built on the device from ``cu_seqlens`` (``[N + 1]``, empty segments allowed; nothing read on the host)
+    by ``create_block_mask``; ``total`` = T; ``block_size``: FlexAttention's default, 128. ``compiled``
+    (default: on CUDA) runs ``torch.compile(create_block_mask)``, one graph per ``(T, block_size)``;
+    uncompiled, ``create_block_mask`` evaluates the mask on all ``T * T`` pairs at once.
+    """
+    doc = document_ids(cu_seqlens, total)
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    if compiled is None:
+        compiled = cu_seqlens.is_cuda
+    build = _compiled_create_block_mask() if compiled else create_block_mask
+    return build(same_document_causal, None, None, total, total, device=cu_seqlens.device, BLOCK_SIZE=block_size)
+
+
+def attention_mask(model: nn.Module, cu_seqlens: torch.Tensor, total: int, device):
+    """What ``model``'s softmax layers take as ``attention_mask`` for a packed sequence of ``total`` tokens:
+    ``document_block_mask`` under ``flex_attention``, ``document_mask`` under ``sdpa`` (``set_attention``)."""
+    implementation = model.config._attn_implementation
+    if implementation == ATTENTION["flex"]:
+        return document_block_mask(cu_seqlens.to(device), total)
+    if implementation == ATTENTION["sdpa"]:
+        return document_mask(cu_seqlens, total, device)
+    raise ValueError(f"hybrid_forward runs softmax attention as {sorted(ATTENTION.values())} "
+                     f"(set_attention), not {implementation!r}")
+
+
+# ---------------------------------------------------------------------------------------- forward
 def _sp_size(group) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
@@ -219,7 +288,7 @@ def hybrid_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torc
         else:
             if attn_args is None:
                 attn_args = {"position_embeddings": inner.rotary_emb(x, position_ids),
-                             "attention_mask": document_mask(cu_seqlens, full_len, x.device)}
+                             "attention_mask": attention_mask(model, cu_seqlens, full_len, x.device)}
             if _sp_size(sp_group) > 1:
                 h = shard_sequence(block.self_attn(gather_for_attention(h, sp_group), **attn_args)[0], sp_group)
             else:

@@ -4,7 +4,8 @@ A *document* is one fortune (fortune files separate entries by lines holding onl
 other text file, the whole file. Packing concatenates tokenised documents into fixed-length sequences
 of ``T`` tokens with no padding between documents; ``cu_seqlens`` marks where each document (or the
 piece of one that a sequence boundary cut) starts, so attention, convolution and recurrence restart
-there and no token sees another document.
+there and no token sees another document. With ``doc_mode="concat"`` the documents are joined into one
+text first, so every sequence is a single segment (the long-document regime).
 """
 from __future__ import annotations
 
@@ -111,14 +112,28 @@ def make_batch(pieces: list[list[int]]) -> PackedBatch:
     return PackedBatch(ids, labels, pos, cu)
 
 
-def pack(token_docs: list[list[int]], seq_len: int, max_batches: int | None = None) -> list[PackedBatch]:
+DOC_MODES = ("short", "concat")
+
+
+def pack(token_docs: list[list[int]], seq_len: int, max_batches: int | None = None,
+         doc_mode: str = "short") -> list[PackedBatch]:
     """Concatenate documents into sequences of exactly ``seq_len`` tokens (the tail that does not fill one is dropped).
 
-    A document longer than what is left of a sequence continues at the start of the next one as a new
-    segment (its positions restart). Zero-length documents are skipped.
+    ``doc_mode="short"``: each document is its own segment (many per sequence for short texts such as
+    fortunes). A document longer than what is left of a sequence continues at the start of the next one as a
+    new segment (its positions restart). Zero-length documents are skipped.
+    ``doc_mode="concat"``: the long-document regime. All documents are joined, in order (each keeps its
+    end-of-text token from ``tokenize``), into one text that every sequence takes ``seq_len`` tokens of as
+    ONE segment: ``cu_seqlens = [0, seq_len]``, positions 0 .. seq_len - 1, every token but the last labelled.
     """
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
+    if doc_mode not in DOC_MODES:
+        raise ValueError(f"--doc-mode must be one of {DOC_MODES}, got {doc_mode!r}")
+    if doc_mode == "concat":
+        text = [t for doc in token_docs for t in doc]
+        n = len(text) // seq_len if max_batches is None else min(len(text) // seq_len, max_batches)
+        return [make_batch([text[i * seq_len:(i + 1) * seq_len]]) for i in range(n)]
     batches, pieces, room = [], [], seq_len
     for doc in token_docs:
         while doc:
