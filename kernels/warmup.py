@@ -14,8 +14,7 @@ backend whose calls inside a CUDA graph capture take other kernels (FlashQLA han
 there: ``Backend.as_in_capture``) runs the packed training calls once more that way ("captured" jobs), so a
 capture after ``warmup()`` compiles and autotunes nothing (both would sync, which a capture forbids).
 
-Cold, the compiles dominate (FlashQLA's TileLang kernels take 10-35 s each on an H200) and run one after
-another in one process. So on CUDA ``warmup`` starts ``workers`` child processes that build shares of
+Cold, the compiles dominate (FlashQLA's TileLang kernels take 10-35 s each on an H200). So on CUDA ``warmup`` starts ``workers`` child processes that build shares of
 the other calls into the shared disk caches (a dense batch is left out where the backend runs it as a
 pack: the same kernels) while this process runs the first call. When that call took longer than
 ``COLD_FIRST_CALL_S`` (the caches were cold), this process waits for the children and then runs the
@@ -35,6 +34,8 @@ import time
 import types
 
 import torch
+
+from . import build_once
 
 log = logging.getLogger("gdn_layer.kernels")
 # backends whose layer a child process can rebuild by name (a backend registered at run time is not
@@ -189,14 +190,10 @@ def _run_pool_job(layer, n, randn, dtype, autocast) -> None:
 
 
 def _default_workers() -> int:
-    """Half the CPUs this process may use, shared by the local ranks of a torchrun launch
-    (``LOCAL_WORLD_SIZE``), at least 1 and at most 8."""
+    """Half the CPUs this process may use, at least 1 and at most 8 (the local ranks of a torchrun launch do
+    not share them: one process of the machine builds while the others wait, ``_first_on_machine``)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return min(8, max(1, cpus // (2 * local)))
+    return min(8, max(1, cpus // 2))
 
 
 def _cuda_devices(device: torch.device) -> list[int]:
@@ -322,10 +319,15 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
             uses states internally, so it always builds them.
         workers: child processes that build the other variants while this process runs the first call,
             waited for when that call shows cold disk caches (over ``COLD_FIRST_CALL_S``), else stopped
-            (CUDA, backend ``fla`` or ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPUs this process may use, divided among the local
-            ranks of a torchrun launch (``LOCAL_WORLD_SIZE``), 1 to 8. They share this process's
+            (CUDA, backend ``fla`` or ``flash_qla``, no sp/cp group; elsewhere 0). Default: half the CPUs
+            this process may use, 1 to 8; 0 where another process of the machine built this configuration
+            (below). They share this process's
             environment (``TRITON_CACHE_DIR``, ``TILELANG_CACHE_DIR``, ``CUDA_VISIBLE_DEVICES``) and build
             into the disk caches; 0 builds in this process only.
+
+    One build per machine (CUDA, no sp/cp group): the first process to warm a configuration builds it
+    while the machine's other processes warming the same one wait (a lock file beside Triton's cache,
+    ``kernels/build_once.py``), then load what it built; no collective, so a rank may call this alone.
 
     Returns:
         seconds spent. Parameter ``.grad`` fields are left untouched (gradients are taken with
@@ -354,8 +356,30 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
     t0 = time.perf_counter()
     jobs = _jobs(layer, include_decode, include_states)
     spec = _spec(layer, dtype)
-    if workers is None:
-        workers = _default_workers() if spec is not None else 0
+    with _first_on_machine(layer, dtype, jobs) as building:
+        if workers is None:
+            workers = _default_workers() if spec is not None and building else 0
+        _warm(layer, dtype, jobs, spec, workers, t0)
+    return time.perf_counter() - t0
+
+
+def _first_on_machine(layer, dtype, jobs):
+    """``build_once.first_on_machine`` for a CUDA layer without SP / CP (whose ranks must run their
+    collectives together, so none may wait for another's build); elsewhere every process builds."""
+    p = layer.out_proj.weight
+    if p.device.type != "cuda" or layer.sp_size != 1 or getattr(layer, "cp_size", 1) != 1:
+        return contextlib.nullcontext(True)
+    import triton
+    key = build_once.key_of(type(layer).__name__, [layer.hidden_size, layer.num_k_heads, layer.num_v_heads,
+                            layer.head_k_dim, layer.head_v_dim, layer.conv_kernel_size, layer.projection_layout],
+                            layer.resolved_backend, {n: str(q.dtype) for n, q in layer.named_parameters()},
+                            str(dtype), jobs, torch.__version__, triton.__version__,
+                            torch.cuda.get_device_name(p.device), os.environ.get("FLA_FLASH_QLA"))
+    return build_once.first_on_machine(key)
+
+
+def _warm(layer, dtype, jobs, spec, workers, t0) -> None:
+    p = layer.out_proj.weight
     # the random inputs do not move the caller's RNG; the backward is part of what is built, also when
     # serving under inference_mode
     first, rest = jobs[:1], jobs[1:]
@@ -374,4 +398,3 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
         _finish_children(children, wait=False)      # an error or interrupt: none is left running
     if p.device.type == "cuda":
         torch.cuda.synchronize(p.device)
-    return time.perf_counter() - t0

@@ -1,0 +1,61 @@
+"""kernels/build_once.py: the first process of a machine to warm a configuration builds it, the others wait
+for it and then go on without building; a builder that fails or dies leaves the next one to build."""
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from gdn_layer.kernels import build_once
+
+pytestmark = pytest.mark.skipif(build_once.fcntl is None, reason="no fcntl: every process builds by design")
+
+
+def _warm(directory, key, log, fail=False):
+    """A process's warmup: records (pid, built?, start, end) in ``log``."""
+    with build_once.first_on_machine(key, directory) as building:
+        start = time.monotonic()
+        if building:
+            time.sleep(0.6)                       # a cold build
+            if fail:
+                os._exit(3)                       # dies while holding the lock
+        log.put((os.getpid(), building, start, time.monotonic()))
+
+
+def _run(directory, key, n, fail_first=False):
+    ctx = mp.get_context("fork")       # (the child runs no torch code)
+    log = ctx.Queue()
+    procs = [ctx.Process(target=_warm, args=(directory, key, log, fail_first and i == 0)) for i in range(n)]
+    procs[0].start()
+    time.sleep(0.3)                              # the first takes the lock before the others start
+    for p in procs[1:]:
+        p.start()
+    for p in procs:
+        p.join(60)
+    return sorted((log.get(timeout=10) for _ in range(n - (1 if fail_first else 0))), key=lambda r: r[2])
+
+
+def test_one_process_builds_and_the_others_start_after_it(tmp_path):
+    rows = _run(str(tmp_path), "cfg", 4)
+    assert [r[1] for r in rows] == [True, False, False, False]
+    builder_end = rows[0][3]
+    assert all(r[2] >= builder_end for r in rows[1:])
+    # a later process of the same configuration does not build either; another configuration does
+    assert [r[1] for r in _run(str(tmp_path), "cfg", 2)] == [False, False]
+    assert [r[1] for r in _run(str(tmp_path), "other", 2)] == [True, False]
+
+
+def test_a_builder_that_dies_leaves_the_build_to_the_next(tmp_path):
+    rows = _run(str(tmp_path), "cfg", 3, fail_first=True)
+    assert [r[1] for r in rows] == [True, False]
+
+
+def test_an_unwritable_directory_builds_in_every_process(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("")
+    with build_once.first_on_machine("cfg", str(target / "cache")) as building:
+        assert building is True
+
+
+def test_keys_name_the_configuration():
+    assert build_once.key_of(1, "a") == build_once.key_of(1, "a") != build_once.key_of(2, "a")
