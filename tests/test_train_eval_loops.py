@@ -15,7 +15,7 @@ import torch.distributed as dist
 from oracle import rel_err
 from gdn_layer import GatedDeltaNet
 from gdn_layer.kernels import check_cu_seqlens, cu_cache, warmup
-from gdn_layer.kernels.triton import conv
+from gdn_layer.kernels.triton import conv_args
 from gdn_layer.parallel import gather_sequence, reduce_sp_grads, seq_to_head, shard_sequence
 
 
@@ -53,7 +53,7 @@ def _cu_int64(cu):
 
 
 def _conv_index(cu):
-    return conv._seq_index(check_cu_seqlens(cu, T), T).tolist()
+    return conv_args._seq_index(check_cu_seqlens(cu, T), T).tolist()
 
 
 def _plan_gather(idx):

@@ -1,7 +1,9 @@
 """Our own Triton kernels for the GatedDeltaNet data path around the chunk kernel.
 
-One file per operation (forward kernel, backward kernel, launchers, autograd): ``conv.py`` (varlen
-causal conv1d + SiLU with conv states), ``gate.py`` (``g``, ``beta``), ``norm.py`` (gated RMSNorm);
+One file per operation (forward kernel, backward kernel, launchers, autograd): ``gate.py`` (``g``, ``beta``),
+``norm.py`` (gated RMSNorm), ``l2norm.py`` (q / k L2 norm); the conv (varlen causal conv1d + SiLU with conv
+states) in ``conv.py`` (launchers, their tuning, autograd), ``conv_fwd_kernels.py``, ``conv_bwd_kernels.py``,
+``conv_tiles.py`` (the kernels' shared helpers) and ``conv_args.py`` (the launchers' argument preparation);
 ``_math.py`` holds the portable elementwise helpers they share (sigmoid, softplus, bf16 rounding),
 ``_grid.py`` the launch-size cap (at most 65 535 programs per launch: persistent programs loop over
 their tiles).
