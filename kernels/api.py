@@ -1,7 +1,7 @@
 """Public entry points: validate once (shared by every backend), then dispatch to the bound backend."""
 from __future__ import annotations
 
-from . import ops
+from . import ops_conv, ops_conv_gate, ops_delta_rule, ops_gate, ops_norm
 from .registry import backend_name
 from .validation import (check_conv_inputs, check_flags, check_float_tensors, check_gated_delta_inputs,
                          check_l2norm_head_dim, check_scale, check_split_sizes)
@@ -14,6 +14,16 @@ def _activation(activation) -> str:
 
 def _scale(scale, q) -> float:
     return float(q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def _delta_rule(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, backend):
+    """The checks of ``chunk_gated_delta_rule`` / ``recurrent_gated_delta_rule``, then ``op``, their operator."""
+    check_flags(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
+    check_scale(scale)
+    _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    name = backend_name(backend, q.device)
+    o, final = op(q, k, v, g, beta, initial_state, cu, _scale(scale, q), output_final_state, use_qk_l2norm, name)
+    return o, (final if output_final_state else None)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -41,13 +51,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     Math: Yang et al., "Gated Delta Networks" (ICLR 2025); chunked form as in fla's ``chunk_gated_delta_rule``.
     """
-    check_flags(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
-    check_scale(scale)
-    _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    name = backend_name(backend, q.device)
-    o, final = ops.chunk_gated_delta_rule_op(q, k, v, g, beta, initial_state, cu, _scale(scale, q),
-                                             output_final_state, use_qk_l2norm, name)
-    return o, (final if output_final_state else None)
+    return _delta_rule(ops_delta_rule.chunk_gated_delta_rule_op, q, k, v, g, beta, scale, initial_state,
+                       output_final_state, cu_seqlens, use_qk_l2norm, backend)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -57,13 +62,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     Meant for decoding (one or a few tokens per sequence); the float64 torch version is the ground
     truth of the tests.
     """
-    check_flags(output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm)
-    check_scale(scale)
-    _, _, cu = check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    name = backend_name(backend, q.device)
-    o, final = ops.recurrent_gated_delta_rule_op(q, k, v, g, beta, initial_state, cu, _scale(scale, q),
-                                                 output_final_state, use_qk_l2norm, name)
-    return o, (final if output_final_state else None)
+    return _delta_rule(ops_delta_rule.recurrent_gated_delta_rule_op, q, k, v, g, beta, scale, initial_state,
+                       output_final_state, cu_seqlens, use_qk_l2norm, backend)
 
 
 def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, initial_state=None,
@@ -83,8 +83,8 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     check_flags(output_final_state=output_final_state)
     _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
     name = backend_name(backend, x.device)
-    y, final = ops.causal_conv1d_op(x, weight, bias, initial_state, cu, _activation(activation), output_final_state,
-                                    name)
+    y, final = ops_conv.causal_conv1d_op(x, weight, bias, initial_state, cu, _activation(activation),
+                                         output_final_state, name)
     return y, (final if output_final_state else None)
 
 
@@ -112,8 +112,8 @@ def causal_conv1d_split(x, weight, split_sizes, bias=None, activation="silu", cu
     _, cu = check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation)
     sizes = check_split_sizes(split_sizes, x.shape[-1])
     name = backend_name(backend, x.device)
-    *ys, final = ops.causal_conv1d_split_op(x, weight, bias, initial_state, cu, sizes, _activation(activation),
-                                            output_final_state, name)
+    *ys, final = ops_conv.causal_conv1d_split_op(x, weight, bias, initial_state, cu, sizes, _activation(activation),
+                                                 output_final_state, name)
     return ys[:len(split_sizes)], (final if output_final_state else None)
 
 
@@ -131,7 +131,7 @@ def gated_rms_norm(x, z, weight, eps=1e-6, backend="auto"):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
-    return ops.gated_rms_norm_op(x, z, weight, float(eps), backend_name(backend, x.device))
+    return ops_norm.gated_rms_norm_op(x, z, weight, float(eps), backend_name(backend, x.device))
 
 
 def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
@@ -154,7 +154,7 @@ def gdn_gate(a, b, A_log, dt_bias, backend="auto"):
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if tuple(t.shape) != (a.shape[-1],):
             raise ValueError(f"{name} must be [H] = [{a.shape[-1]}], got {tuple(t.shape)}")
-    return ops.gdn_gate_op(a, b, A_log, dt_bias, backend_name(backend, a.device))
+    return ops_gate.gdn_gate_op(a, b, A_log, dt_bias, backend_name(backend, a.device))
 
 
 def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="silu", cu_seqlens=None,
@@ -209,6 +209,7 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
                               x_name="mixed[..., :C]")
     l2norm_dim = check_l2norm_head_dim(l2norm_head_dim, split_sizes)
     name = backend_name(backend, mixed.device)
-    *ys, g, beta, final, _, _ = ops.conv_gate_op(mixed, weight, A_log, dt_bias, initial_state, cu, sizes,
-                                                 _activation(activation), output_final_state, l2norm_dim, name)
+    *ys, g, beta, final, _, _ = ops_conv_gate.conv_gate_op(mixed, weight, A_log, dt_bias, initial_state, cu, sizes,
+                                                           _activation(activation), output_final_state, l2norm_dim,
+                                                           name)
     return ys[:len(split_sizes)], g, beta, (final if output_final_state else None)

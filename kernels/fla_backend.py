@@ -34,6 +34,7 @@ import threading
 import torch
 
 from . import cu_cache, reference
+from .ops_library import _vjp
 from .registry import Backend, register_backend
 from .triton_ops import conv_bwd, conv_fwd, gate_bwd, gate_fwd, l2norm_qk_bwd, l2norm_qk_fwd, norm_bwd, norm_fwd
 
@@ -205,7 +206,6 @@ def recurrent_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final
 
 def recurrent_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, cu=None, use_qk_l2norm=False):
     """fla's fused recurrent kernel has no backward: gradients of the torch reference (decode-sized inputs)."""
-    from .ops import _vjp
     out_state = dfinal is not None
 
     def f(q, k, v, g, beta, h0):
@@ -217,10 +217,10 @@ def recurrent_bwd(do, dfinal, q, k, v, g, beta, scale=None, initial_state=None, 
     return _vjp(f, (q, k, v, g, beta, initial_state), (do, dfinal)[:1 + out_state])
 
 
-# The split conv (one launch for q, k and v, ``conv_splits``) stays off: on an H200 at C = 8192, 32k tokens,
-# its masked per-part kernels take 1.80x the forward and 1.11x the backward of the whole conv
-# (``python benchmarks/bench_triton_conv.py --quick``, docs/performance.md, session 12; its first form, a select
-# of pointers per column, was 8.7x slower in the layer's forward, session 11).
+# The split conv (one launch for q, k and v, ``conv_splits``) stays off: its masked per-part kernels take 1.80x
+# the forward and 1.11x the backward of the whole conv (H200, C = 8192, 32k tokens, 2026-12-02:
+# ``python benchmarks/bench_triton_conv.py --quick``; docs/performance.md). Addressing the parts by a select of
+# pointers per column instead is slower still (8.7x in the layer's forward).
 CONV_SPLITS = False
 
 

@@ -74,13 +74,13 @@ class Backend:
     # layer's q, k and v; kernels/triton/conv.py). False: ``causal_conv1d_split`` runs one conv per part
     conv_splits: bool = False
     # its ``causal_conv1d_bwd`` takes ``dx=`` and its ``gdn_gate_bwd`` ``da=``, ``db=``: column slices of one
-    # gradient buffer to write into (``ops.conv_gate``'s backward then concatenates nothing). False: the
+    # gradient buffer to write into (the ``conv_gate`` op's backward then concatenates nothing). False: the
     # gradients come back as new tensors and are copied into the buffer
     grads_into: bool = False
     # its ``causal_conv1d`` takes ``l2norm_dim=`` D and then returns ``(y, final, rstd [B, T, C // D])``, y
     # L2-normalised per head of D channels, and its ``causal_conv1d_bwd`` takes ``l2norm_out=(y, rstd)`` (the
     # gradient through the norm from them; ``kernels/triton/conv.py``): the layer's q and k, with the delta rule's
-    # own norm off. False: ``ops.conv_gate`` normalises in torch around the conv, and the layer leaves the norm
+    # own norm off. False: the ``conv_gate`` op normalises in torch around the conv, and the layer leaves the norm
     # to the delta-rule kernel (``conv_fuses_l2norm``)
     conv_l2norm: bool = False
     # its ``chunk_gated_delta_rule`` takes ``residuals=True`` and then returns ``(o, final, residuals)``, residuals
@@ -183,7 +183,7 @@ def backend_name(name: str, device: torch.device | str) -> str:
 
 def fuses_l2norm(b: Backend) -> bool:
     """Whether backend ``b``'s conv normalises the q / k parts itself: ``conv_l2norm`` with one conv per part
-    (no ``conv_splits``) and a conv backward of its own (``ops.conv_gate`` asks the same)."""
+    (no ``conv_splits``) and a conv backward of its own (the ``conv_gate`` op, ``ops_conv_gate.py``, asks the same)."""
     return b.conv_l2norm and not b.conv_splits and b.causal_conv1d_bwd is not None
 
 

@@ -114,7 +114,7 @@ def layer_calls(T, N, empty=False, device="cpu", dtype=torch.bfloat16):
     conv_h0 = torch.empty(N, C, W - 1, device=device)
     y, fin = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, conv_h0, True)
     be.causal_conv1d_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, conv_h0)
-    # the layer in training (ops.conv_gate): neither initial nor final state (the plain tiles of the forward and
+    # the layer in training (the conv_gate op): neither initial nor final state (the plain tiles of the forward and
     # the dx pass), the dx pass writing its columns of the pre-conv buffer's gradient, the gate's its last 2 HV
     dmixed = torch.empty_like(mixed)
     y_plain, _ = be.causal_conv1d(mixed[..., :C], weight, None, "silu", cu, None, False)

@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from gdn_layer.kernels import causal_conv1d_gate, causal_conv1d_split, gdn_gate, ops, registry, triton_ops
+from gdn_layer.kernels import (causal_conv1d_gate, causal_conv1d_split, gdn_gate, ops_conv, ops_gate, ops_library,
+                               registry, triton_ops)
 
 SIZES, H, W = [8, 8, 16], 2, 4
 C = sum(SIZES)
@@ -102,7 +103,7 @@ def test_the_backward_writes_the_buffer_gradient_without_a_copy_or_concatenation
     it: the test can fail)."""
     inp = inputs(init=False)
     b = registry.backend_by_name(triton_cpu_backend)
-    seen, real_cat, real_into = {}, torch.cat, ops._into
+    seen, real_cat, real_into = {}, torch.cat, ops_library._into
     for grads_into in (True, False):
         monkeypatch.setitem(registry._BACKENDS, triton_cpu_backend,
                             dataclasses.replace(b, conv_splits=conv_splits, grads_into=grads_into))
@@ -121,7 +122,8 @@ def test_the_backward_writes_the_buffer_gradient_without_a_copy_or_concatenation
 
         with monkeypatch.context() as m:
             m.setattr(torch, "cat", cat)
-            m.setattr(ops, "_into", into)
+            m.setattr(ops_conv, "_into", into)     # (the conv's and the gate's backwards fill their columns)
+            m.setattr(ops_gate, "_into", into)
             grads(leaves, outs)
         seen[grads_into] = ([n for n in cats if n > C * W], copies)   # (activation-sized cats: not the weight's)
     assert seen[True] == ([], []), seen

@@ -11,8 +11,8 @@ import gc
 import pytest
 import torch
 
-from gdn_layer.kernels import check_cu_seqlens, cu_cache, flash_qla_backend, ops, varlen
-from gdn_layer.kernels.triton import conv
+from gdn_layer.kernels import check_cu_seqlens, cu_cache, flash_qla_backend, ops_delta_rule, varlen
+from gdn_layer.kernels.triton import conv_args
 from gdn_layer import derived as derived_rule
 
 
@@ -75,10 +75,10 @@ def test_accelerator_copy_is_new_per_version_and_knows_its_host_values():
 
 
 def test_dense_pack_boundaries_are_shared_and_known_on_host():
-    a = ops._dense_cu(3, 5, torch.device("meta"))
-    assert a is ops._dense_cu(3, 5, torch.device("meta"))
+    a = ops_delta_rule._dense_cu(3, 5, torch.device("meta"))
+    assert a is ops_delta_rule._dense_cu(3, 5, torch.device("meta"))
     assert cu_cache.host_copy(a).tolist() == [0, 5, 10, 15]
-    cpu = ops._dense_cu(2, 4, torch.device("cpu"))
+    cpu = ops_delta_rule._dense_cu(2, 4, torch.device("cpu"))
     assert cpu.tolist() == [0, 4, 8]
 
 
@@ -101,21 +101,21 @@ def test_flash_qla_compaction_is_built_once(monkeypatch):
 @pytest.mark.parametrize("refill", [False, True])
 def test_conv_sequence_index_follows_the_values(refill):
     cu = torch.tensor([0, 2, 2, 6])
-    first = conv._seq_index(cu, 6)
-    assert conv._seq_index(cu, 6) is first
+    first = conv_args._seq_index(cu, 6)
+    assert conv_args._seq_index(cu, 6) is first
     assert first.tolist() == [0, 0, 2, 2, 2, 2]
     if refill:
         cu.copy_(torch.tensor([0, 1, 5, 6]))
-        assert conv._seq_index(cu, 6).tolist() == [0, 1, 1, 1, 1, 2]
+        assert conv_args._seq_index(cu, 6).tolist() == [0, 1, 1, 1, 1, 2]
 
 
 def test_inference_tensors_are_never_cached():
     # no version counter: a buffer refilled under inference_mode must still give its new values
     with torch.inference_mode():
         cu = torch.tensor([0, 2, 2, 6])
-        assert conv._seq_index(cu, 6).tolist() == [0, 0, 2, 2, 2, 2]
+        assert conv_args._seq_index(cu, 6).tolist() == [0, 0, 2, 2, 2, 2]
         cu.copy_(torch.tensor([0, 1, 5, 6]))
-        assert conv._seq_index(cu, 6).tolist() == [0, 1, 1, 1, 1, 2]
+        assert conv_args._seq_index(cu, 6).tolist() == [0, 1, 1, 1, 1, 2]
         dev = cu_cache.as_int64(cu, torch.device("meta"))
         cu.copy_(torch.tensor([0, 3, 4, 6]))
         assert cu_cache.as_int64(cu, torch.device("meta")) is not dev

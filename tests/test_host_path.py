@@ -87,7 +87,7 @@ def test_one_layer_call_is_its_custom_ops_and_counted_by_the_benchmark(alloc_onl
 
 def test_ops_skip_the_custom_op_wrappers(alloc_only_backend):
     """The kernels are plain ``torch.library`` operators with a ``torch.autograd.Function`` each
-    (``kernels/ops.py``): no Python of ``torch.library.custom_op``'s per-call wrappers (defaults, aliasing
+    (``kernels/ops_library.py``): no Python of ``torch.library.custom_op``'s per-call wrappers (defaults, aliasing
     checks, generated autograd) runs in a training step; it cost the layer a third of its own host time.
     The operators themselves still run (by name, in the dispatcher)."""
     layer = GatedDeltaNet(64, 2, 4, 16, 16, backend=alloc_only_backend)

@@ -273,7 +273,7 @@ def test_dense_batch_runs_packed_on_dense_as_packed_backends(kernel, custom_bwd)
     import dataclasses
 
     from gdn_layer.kernels import register_backend, registry, resolve_backend
-    from gdn_layer.kernels.ops import _vjp
+    from gdn_layer.kernels.ops_library import _vjp
     torch_b = resolve_backend("torch", "cpu")
     seen = []
 

@@ -1,10 +1,10 @@
-"""The kernel ops' autograd (``kernels/ops.py``: plain operators with a ``torch.autograd.Function`` each).
+"""The kernel ops' autograd (``kernels/ops_*.py``: plain operators with a ``torch.autograd.Function`` each).
 
 - Their gradients are first order only: differentiating them again raises (it returned partial or zero
   second derivatives, with a warning, before the ops refused it).
 - Under ``torch.inference_mode()`` autograd records nothing, even with ``enable_grad`` inside it, as for
   torch's own ops (a Function would try to save inference tensors).
-- ``importlib.reload`` of the module replaces the previous definitions.
+- ``importlib.reload`` of an ops module replaces its previous definitions.
 """
 import importlib
 
@@ -76,13 +76,14 @@ def test_inference_mode_records_nothing_even_under_enable_grad():
     assert not got.requires_grad and torch.equal(got, want)
 
 
-def test_reloading_the_ops_module_replaces_its_definitions():
-    from gdn_layer.kernels import ops
+def test_reloading_the_ops_modules_replaces_their_definitions():
+    from gdn_layer.kernels import ops_conv, ops_conv_gate, ops_delta_rule, ops_gate, ops_library, ops_norm
     torch.manual_seed(0)
     layer = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch")
     x, cu = torch.randn(1, 12, 32, requires_grad=True), torch.tensor([0, 5, 12])
     layer(x, cu_seqlens=cu).pow(2).sum().backward()
     before, x.grad = x.grad.clone(), None
-    importlib.reload(ops)
+    for module in (ops_library, ops_delta_rule, ops_conv, ops_gate, ops_conv_gate, ops_norm):
+        importlib.reload(module)
     layer(x, cu_seqlens=cu).pow(2).sum().backward()
     assert torch.equal(x.grad, before)

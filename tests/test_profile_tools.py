@@ -61,8 +61,8 @@ def test_analyse_splits_steps_and_separates_nccl_from_compute(tmp_path):
     ("/opt/venv/lib/python3.12/site-packages/triton/runtime/jit.py(695): run", "triton (Python)"),
     ("/tmp/site/fla/ops/utils/cache.py(374): run", "fla (Python)"),
     ("/opt/venv/lib/python3.12/site-packages/torch/_library/autograd.py(73): backward", "torch/_library (Python)"),
-    ("/tmp/pkg/gdn_layer/kernels/ops.py(47): <genexpr>", "gdn_layer (Python)"),
-    (str(Path(__file__).resolve().parent.parent / "kernels" / "ops.py") + "(140): op", "gdn_layer (Python)"),
+    ("/tmp/pkg/gdn_layer/kernels/ops_conv.py(47): <genexpr>", "gdn_layer (Python)"),
+    (str(Path(__file__).resolve().parent.parent / "kernels" / "ops_conv.py") + "(140): op", "gdn_layer (Python)"),
     ("flash_qla/ops/chunk.py(10): chunk_fwd", "flash_qla (Python)"),     # (not fla's: whole path components)
     ("fla/ops/utils/index.py(40): wrapper", "fla (Python)"),
     ("torch/nn/parallel/distributed.py(1600): forward", "other Python"),
@@ -78,11 +78,11 @@ def test_host_time_is_attributed_to_the_package_of_each_frame(name, where):
 
 def test_frames_named_from_a_checkout_on_the_path_are_the_layers(monkeypatch):
     """torch's tracer cuts a ``sys.path`` prefix off: with this checkout on the path (``PYTHONPATH=.``) our
-    frames read ``kernels/ops.py(...)``; the checkout's tests and scripts are not the layer's."""
+    frames read ``kernels/ops_conv.py(...)``; the checkout's tests and scripts are not the layer's."""
     import bench_host_cost
     root = str(Path(__file__).resolve().parent.parent)
     monkeypatch.syspath_prepend(root)
-    assert bench_host_cost._where("kernels/ops.py(140): op") == "gdn_layer (Python)"
+    assert bench_host_cost._where("kernels/ops_conv.py(140): op") == "gdn_layer (Python)"
     assert bench_host_cost._where("parallel/heads.py(20): k_heads") == "gdn_layer (Python)"
     assert bench_host_cost._where("tests/oracle.py(10): rel_err") == "other Python"
     assert bench_host_cost._where("kernels/layer.py(3): forward") == "other Python"   # no such file of ours
