@@ -104,6 +104,21 @@ def check_cu_seqlens(cu_seqlens, total_len: int | None, device: torch.device | N
     return as_int64(cu_seqlens, device if device is not None else cu_seqlens.device)
 
 
+def _sequences(cu_seqlens, B: int, T: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """``(N, cu)`` of a call with batch B and length T: N = B and None without ``cu_seqlens``, else the number
+    of packed sequences and ``check_cu_seqlens``' int64 copy on ``device``.
+
+    Raises:
+        ValueError: ``cu_seqlens`` with ``B != 1``, or malformed (``check_cu_seqlens``).
+    """
+    if cu_seqlens is None:
+        return B, None
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
+    cu = check_cu_seqlens(cu_seqlens, T, device=device)
+    return cu.numel() - 1, cu
+
+
 def check_no_nan(name: str, t: torch.Tensor | None, finite: bool = False) -> None:
     """Raise ValueError if ``t`` holds NaN (or, with ``finite``, inf too; only where values are checkable)."""
     if t is None or not t.is_floating_point() or not values_checkable(t):
@@ -173,14 +188,7 @@ def check_gated_delta_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> tup
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must be on one device")
-    cu = None
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
-        cu = check_cu_seqlens(cu_seqlens, T, device=q.device)
-        N = cu.numel() - 1
-    else:
-        N = B
+    N, cu = _sequences(cu_seqlens, B, T, q.device)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
@@ -229,14 +237,7 @@ def check_conv_inputs(x, weight, bias, initial_state, cu_seqlens, activation,
             raise ValueError(f"{name} is on {t.device} but {x_name} is on {x.device}")
     for name, t in ((x_name, x), ("weight", weight), ("bias", bias)):
         check_no_nan(name, t)
-    cu = None
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch must be packed into B == 1, got B = {B}")
-        cu = check_cu_seqlens(cu_seqlens, T, device=x.device)
-        N = cu.numel() - 1
-    else:
-        N = B
+    N, cu = _sequences(cu_seqlens, B, T, x.device)
     W = weight.shape[1]
     if initial_state is not None:
         if tuple(initial_state.shape) != (N, C, W - 1):
