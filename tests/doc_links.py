@@ -1,6 +1,7 @@
 """Check the relative links of README.md, docs/*.md and docs/measurements/*/README.md.
 
-Usage: python scripts/check_doc_links.py [FILE.md ...]   (default: those files; exit code 1 on a broken link)
+Usage: python tests/doc_links.py [FILE.md ...]   (default: those files; exit code 1 on a broken link);
+tests/test_house.py runs it in the suite.
 
 A link ``[text](target)`` whose target is not a URL must name an existing file or folder, relative to the
 Markdown file; a ``#anchor`` (alone, or after a ``.md`` target) must be the GitHub slug of a heading of that file.
