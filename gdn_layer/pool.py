@@ -136,8 +136,10 @@ def pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every) -> P
     B, T = x.shape[:2]
     if cu is None:
         cu = torch.arange(B + 1, device=x.device) * T
-    ck = None if checkpoint_slots is None else checkpoint_slots.long()
-    return PoolCall(pool, state_slots.long(), ck, checkpoint_every, cu.long())
+    # contiguous: the fused decode kernels index slots by position (an int64 view of a wider table would not be
+    # copied by .long() alone)
+    ck = None if checkpoint_slots is None else checkpoint_slots.long().contiguous()
+    return PoolCall(pool, state_slots.long().contiguous(), ck, checkpoint_every, cu.long())
 
 
 def check_rows_in_range(call: PoolCall) -> None:
@@ -244,6 +246,7 @@ def _fused_decode(x, cu, call: PoolCall) -> bool:
     pool = call.pool
     return (call.ck is None and cu is None and x.shape[1] == 1
             and pool.conv_state.stride(-1) == 1 and pool.recurrent_state.stride(-1) == 1
+            and pool.conv_state.stride(0) != 0 and pool.recurrent_state.stride(0) != 0   # (rows of their own)
             and (x.is_cuda or (FUSED_DECODE_ON_CPU and x.device.type == "cpu")))
 
 

@@ -364,18 +364,17 @@ def warmup(layer, dtype: torch.dtype | None = None, include_decode: bool = True,
 
 
 def _first_on_machine(layer, dtype, jobs):
-    """``build_once.first_on_machine`` for a CUDA layer without SP / CP (whose ranks must run their
-    collectives together, so none may wait for another's build); elsewhere every process builds."""
+    """``build_once.first_on_machine`` for a CUDA layer whose forward runs no collective (no SP / CP group, no
+    FSDP or DTensor parameters: those ranks must run together, so none may wait); else every process builds."""
     p = layer.out_proj.weight
-    if p.device.type != "cuda" or layer.sp_size != 1 or getattr(layer, "cp_size", 1) != 1:
+    if (p.device.type != "cuda" or layer.sp_size != 1 or getattr(layer, "cp_size", 1) != 1
+            or build_once.runs_collectives(layer)):
         return contextlib.nullcontext(True)
-    import triton
-    key = build_once.key_of(type(layer).__name__, [layer.hidden_size, layer.num_k_heads, layer.num_v_heads,
-                            layer.head_k_dim, layer.head_v_dim, layer.conv_kernel_size, layer.projection_layout],
-                            layer.resolved_backend, {n: str(q.dtype) for n, q in layer.named_parameters()},
-                            str(dtype), jobs, torch.__version__, triton.__version__,
-                            torch.cuda.get_device_name(p.device), os.environ.get("FLA_FLASH_QLA"))
-    return build_once.first_on_machine(key)
+    shape = [layer.hidden_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
+             layer.conv_kernel_size, layer.projection_layout]
+    return build_once.first_on_machine(build_once.key_of(
+        type(layer).__name__, shape, layer.resolved_backend, {n: str(q.dtype) for n, q in layer.named_parameters()},
+        str(dtype), jobs, build_once.software(), torch.cuda.get_device_name(p.device), os.environ.get("FLA_FLASH_QLA")))
 
 
 def _warm(layer, dtype, jobs, spec, workers, t0) -> None:

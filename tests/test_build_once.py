@@ -59,3 +59,74 @@ def test_an_unwritable_directory_builds_in_every_process(tmp_path):
 
 def test_keys_name_the_configuration():
     assert build_once.key_of(1, "a") == build_once.key_of(1, "a") != build_once.key_of(2, "a")
+
+
+def test_a_file_system_without_flock_builds_in_every_process(tmp_path, monkeypatch):
+    def no_flock(f, op):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(build_once.fcntl, "flock", no_flock)
+    with build_once.first_on_machine("cfg", str(tmp_path)) as building:
+        assert building is True
+
+
+def test_a_nested_build_in_one_thread_does_not_wait_on_itself(tmp_path):
+    with build_once.first_on_machine("outer", str(tmp_path)) as outer:
+        with build_once.first_on_machine("inner", str(tmp_path)) as inner:
+            assert outer is True and inner is True
+
+
+def test_a_builder_that_outlasts_the_wait_limit_is_not_waited_for(tmp_path, monkeypatch):
+    ctx = mp.get_context("fork")
+    started = ctx.Event()
+
+    def hold():
+        with build_once.first_on_machine("slow", str(tmp_path)):
+            started.set()
+            time.sleep(30)
+    p = ctx.Process(target=hold)
+    p.start()
+    try:
+        assert started.wait(10)
+        monkeypatch.setattr(build_once, "WAIT_LIMIT_S", 0.5)
+        t0 = time.monotonic()
+        with build_once.first_on_machine("slow", str(tmp_path)) as building:
+            assert building is True and time.monotonic() - t0 < 5
+    finally:
+        p.kill()
+        p.join()
+
+
+def _fully_sharded_runs_collectives(store_path, out):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gdn_layer import GatedDeltaNet
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+    try:
+        out.put(build_once.runs_collectives(fully_shard(GatedDeltaNet(32, 2, 4, 8, 8))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layers_whose_forward_runs_collectives_are_recognised(tmp_path):
+    import torch
+
+    from gdn_layer import GatedDeltaNet
+    layer = GatedDeltaNet(32, 2, 4, 8, 8)
+    assert not build_once.runs_collectives(layer)
+
+    class FullyShardedDataParallel(torch.nn.Module):     # (what an FSDP1 wrapper is called)
+        pass
+    assert build_once.runs_collectives(torch.nn.Sequential(layer, FullyShardedDataParallel()))
+    ctx = mp.get_context("fork")                         # (a process group of its own)
+    out = ctx.Queue()
+    p = ctx.Process(target=_fully_sharded_runs_collectives, args=(str(tmp_path / "store"), out))
+    p.start()
+    p.join(120)
+    assert out.get(timeout=5) is True                    # FSDP2: DTensor parameters
+
+
+def test_the_key_names_the_software():
+    versions = build_once.software()
+    assert versions["torch"] and len(versions["gdn_layer.kernels"]) == 16

@@ -380,3 +380,18 @@ def test_the_fused_decode_step_equals_the_op_by_op_pool_step(fused_decode_on_cpu
     assert rel(outs[0], outs[1]) < tol
     assert rel(pools[0].recurrent_state, pools[1].recurrent_state) < tol
     assert rel(pools[0].conv_state, pools[1].conv_state) < tol
+
+
+def test_the_fused_decode_step_reads_slots_given_as_a_strided_view(fused_decode_on_cpu):
+    """A column of a per-request table (an int64 view with stride 2) names the same rows as its copy."""
+    layer = make_layer()
+    pools = [filled_pool(layer, 8), filled_pool(layer, 8)]
+    table = torch.tensor([[5, 900], [2, 901], [-1, 902], [0, 903]])
+    x = torch.randn(4, 1, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        y_view = layer(x, state=pools[0], state_slots=table[:, 0])
+        y_copy = layer(x, state=pools[1], state_slots=table[:, 0].clone())
+    assert len(fused_decode_on_cpu) == 2
+    assert torch.equal(y_view, y_copy)
+    assert torch.equal(pools[0].recurrent_state, pools[1].recurrent_state)
+    assert torch.equal(pools[0].conv_state, pools[1].conv_state)
