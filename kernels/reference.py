@@ -13,17 +13,29 @@ solve a unit lower-triangular system, ``L_ij = beta_i (k_i . k_j) exp(G_i - G_j)
 Every decay is a sum of the g's it spans (no difference of cumulative sums), so a ``g = -inf`` (reset)
 gives exactly zero across it and small g's next to a huge one keep their precision.
 
-Inputs run in fp32 (float64 when any input is float64; floating dtypes may mix); outputs come back in
+Inputs run in fp32 (float64 when any input is float64; floating dtypes may mix), also under
+``torch.autocast`` (switched off inside each op: it would run the matmuls in bf16); outputs come back in
 v's dtype, states in the compute dtype. Grouped heads: value head ``j`` reads q/k head ``j // r``; q/k
 are never repeated in memory (the Gram matrices ``q k^T``, ``k k^T`` are formed once per k head).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
 from .varlen import ChunkPlan, ConvPlan, StepPlan, sequence_lengths
+
+def _no_autocast(fn):
+    """Run ``fn`` with autocast off on its first argument's device: the compute dtype is the reference's own."""
+    @functools.wraps(fn)
+    def run(x, *args, **kwargs):
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(x, *args, **kwargs)
+    return run
+
 
 CHUNK_SIZE = 64
 WINDOW = 16  # chunks whose C x C matrices exist at once: bounds the memory of a no-grad forward
@@ -105,6 +117,7 @@ def _state_rows(initial_state, n, Hk, Dk, Hv, Dv, dt, device):
             zeros(m * Dk + 1, Hv), torch.cat([torch.ones(m * Dk, Hv, dtype=dt, device=device), zeros(1, Hv)]))
 
 
+@_no_autocast
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu=None, use_qk_l2norm=False):
     """Chunked gated delta rule in plain torch (inputs already validated; see the public wrapper).
@@ -165,6 +178,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     return o.reshape(B, T, Hv, Dv).to(out_dtype), final
 
 
+@_no_autocast
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu=None, use_qk_l2norm=False):
     """Token-by-token gated delta rule (inputs already validated).
@@ -202,6 +216,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     return o.reshape(B, T, Hv, Dv).to(out_dtype), final
 
 
+@_no_autocast
 def causal_conv1d(x, weight, bias=None, activation="silu", cu=None, initial_state=None, output_final_state=False):
     """Depthwise causal conv over T per sequence, ``y_t = act(bias + sum_w weight[:, w] * x_{t-W+1+w})``.
 
@@ -229,6 +244,7 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu=None, initial_stat
     return y.reshape(B, T, C).to(x.dtype), final
 
 
+@_no_autocast
 def gated_rms_norm(x, z, weight, eps=1e-6):
     """RMSNorm over the last dim, times ``silu(z)``, in the order of transformers' Qwen3NextRMSNormGated.
 
@@ -243,6 +259,7 @@ def gated_rms_norm(x, z, weight, eps=1e-6):
     return h.to(in_dtype)
 
 
+@_no_autocast
 def gdn_gate(a, b, A_log, dt_bias):
     """The GatedDeltaNet gate: ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``.
 

@@ -71,3 +71,19 @@ def test_integer_bool_and_complex_inputs_are_still_refused(kernel, name, dtype):
     x[name] = x[name].to(dtype)
     with pytest.raises(TypeError, match=f"{name} must be a floating-point"):
         kernel(**x)
+
+
+def test_the_reference_ops_compute_in_their_own_dtype_under_autocast():
+    """torch.autocast would run the reference's matmuls in bf16: each op switches it off (same result inside)."""
+    from gdn_layer.kernels import reference
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 9, 2, 8, generator=g) for _ in range(2))
+    v = torch.randn(1, 9, 4, 8, generator=g)
+    gate, beta = -torch.rand(1, 9, 4, generator=g), torch.rand(1, 9, 4, generator=g)
+    h0 = torch.randn(2, 4, 8, 8, generator=g)
+    cu = torch.tensor([0, 4, 9])
+    for op in (reference.recurrent_gated_delta_rule, reference.chunk_gated_delta_rule):
+        plain = op(q, k, v, gate, beta, None, h0, True, cu, True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = op(q, k, v, gate, beta, None, h0, True, cu, True)
+        assert all(torch.equal(a, b) for a, b in zip(plain, inside)), op.__name__
