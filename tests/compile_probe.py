@@ -69,7 +69,7 @@ def layer_calls(T, N, Hk=2, Hv=4, D=128, W=4, dtype=torch.bfloat16, with_fla=Tru
     triton_ops.conv_bwd([q, k, v], fin, mixed[..., :C], weight, None, "silu", cu, h0)
     y, fin = triton_ops.conv_fwd(mixed[..., :C], weight, None, "silu", cu, h0, True)
     triton_ops.conv_bwd(y, fin, mixed[..., :C], weight, None, "silu", cu, h0)
-    # the layer in training (ops.conv_gate): a conv per part, neither initial nor final state (the plain tiles
+    # the layer in training (ops_conv_gate.conv_gate): a conv per part, neither initial nor final state (the plain tiles
     # of both passes), each dx pass writing its columns of the pre-conv buffer's gradient, the gate's backward
     # its last 2 Hv columns; q and k L2-normalised per head in the conv (the layer's delta rule then normalises
     # nothing, gdn_layer/layer.py _qk_l2norm_in_conv)

@@ -64,7 +64,7 @@ DZ_NUM_WARPS = 4
 # (The q / k L2 norm's backward is a launch of its own, ``l2norm_bwd_from_output``, before the plain dz pass: taken
 # into the dz pass, y and rstd recomputed in a one-head tile, it cost 0.915 / 1.132 / 0.993 ms at 8 / 4 / 16 x 128
 # tiles against 0.764 ms for the two launches. H200, Qwen3-Next's q and k at 32k tokens, 2026-12-03; the patch
-# measured is in docs/measurements/h200_issue23_s23/.)
+# measured is in docs/measurements/2026-12-03-h200-c/.)
 
 # software pipelining of the dz pass's tile loop (``tl.range(num_stages=)``): 1 compiles the plain loop (the same
 # PTX as ``range``); from 2 Triton prefetches the next tiles' x and dy through shared memory (cp.async), which
