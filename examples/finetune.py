@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", default="odd", help="layers to make GatedDeltaNet: odd|even|all|none|'1,3,8-11'")
     p.add_argument("--gdn-heads", help="'HK,HV' (default: kv heads up to a multiple of 4, q heads down to a multiple of HK)")
     p.add_argument("--conv-init", default="default", choices=["identity", "default"],
-                   help="the new layers' conv weights: transformers' init, or the identity (pass-through)")
+                   help="the new layers' conv weights: the layer's own init (N(0, 0.02)), or the identity (pass-through)")
     p.add_argument("--train", default="gdn", choices=["all", "gdn"], help="train every parameter, or the GDN layers only")
     p.add_argument("--sp", type=int, help="Ulysses SP size (default: 2 if the world size is even, else 1; 1 with --cp)")
     p.add_argument("--cp", type=int, default=1,

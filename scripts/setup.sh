@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a fresh CPU machine for gdn-layer: Debian packages (MPI for the pytest-mpi tests, fortunes
 # for the example's text), a virtual environment in .venv, and the project with its test, hf and
-# example extras. Idempotent: a second run only checks.
+# example extras. Idempotent: a second run installs nothing new (pip finds every package present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
