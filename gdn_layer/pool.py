@@ -247,6 +247,7 @@ def _fused_decode(x, cu, call: PoolCall) -> bool:
     return (call.ck is None and cu is None and x.shape[1] == 1
             and pool.conv_state.stride(-1) == 1 and pool.recurrent_state.stride(-1) == 1
             and pool.conv_state.stride(0) != 0 and pool.recurrent_state.stride(0) != 0   # (rows of their own)
+            and not torch.compiler.is_compiling()          # (a trace takes the op-by-op step: aten ops only)
             and (x.is_cuda or (FUSED_DECODE_ON_CPU and x.device.type == "cpu")))
 
 

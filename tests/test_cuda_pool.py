@@ -71,6 +71,27 @@ def test_pool_on_the_backend_matches_the_torch_layer(backend, every):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_the_fused_decode_step_matches_the_torch_layer(backend):
+    """One token per sequence without cu_seqlens: the fused kernels (kernels/triton/decode.py) on CUDA, three
+    steps, against the torch layer in fp32 from the same pool (a padding entry, rows in a random order)."""
+    fast, ref = layer_on(backend), layer_on("torch", torch.float32)
+    slots = torch.tensor([6, -1, 2, 9, 0], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    xs = torch.randn(3, 5, 1, SIZES[0], device="cuda", generator=g)
+    results = []
+    with torch.no_grad():
+        for layer, dtype in ((fast, torch.bfloat16), (ref, torch.float32)):
+            pool = pool_of(layer, 12)
+            ys = torch.stack([layer(xs[t].to(dtype), state=pool, state_slots=slots) for t in range(3)])
+            results.append((ys, pool))
+    (y, p), (y_r, p_r) = results
+    assert y[:, 1].abs().max() == 0
+    assert rel_err(y, y_r) <= 1e-2
+    assert rel_err(p.recurrent_state, p_r.recurrent_state) <= 1e-2
+    assert rel_err(p.conv_state, p_r.conv_state) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_eager_pooled_call_syncs_nothing(backend):
     layer = layer_on(backend)
     warmup(layer)
