@@ -68,7 +68,7 @@ def fla_ops_step(ours, n, slots, pool_conv, pool_rec, x):
         mixed = F.linear(x, w_qkv)                                         # [n, 1, C + 2 Hv]
         z = F.linear(x, ours.in_proj_z.weight).view(n, 1, HV, D)
         conv = pool_conv.index_select(0, slots)                            # [n, C, W]
-        qkv = causal_conv1d_update(mixed[..., :2 * kd + vd], conv, weight=conv_w, activation="silu")
+        qkv, _ = causal_conv1d_update(mixed[..., :2 * kd + vd], conv, weight=conv_w, activation="silu")
         pool_conv.index_copy_(0, slots, conv)
         q, k, v = qkv.view(1, n, -1).split([kd, kd, vd], -1)
         a, b = mixed[..., 2 * kd + vd:].view(1, n, 2, HV).unbind(2)
