@@ -119,7 +119,8 @@ class HFGatedDeltaNet(GatedDeltaNet):
     def _forward_cached(self, x, cache, cu_seqlens):
         """Continue each row from the model's cache and store its new state there (``hf_cache``). When
         transformers records states for speculative decoding (``n = states_to_keep``: one more than its own
-        block keeps), the last ``n`` tokens run one at a time after the others, so the state after each is known."""
+        block keeps), the last ``n`` tokens run one at a time after the others, so the state after each is known.
+        A one-token step otherwise runs the state pool's decode step on the rows read (gdn_layer/pool.py)."""
         # the layer's state dtype: fp32, or fp64 for an fp64 model (never rounded to fp32)
         dt = torch.float64 if self.out_proj.weight.dtype == torch.float64 else torch.float32
         state = hf_cache.read(cache, self.layer_idx, self.conv_kernel_size, dt)
@@ -128,6 +129,11 @@ class HFGatedDeltaNet(GatedDeltaNet):
         if n and cu_seqlens is not None:
             raise ValueError("cu_seq_lens_q (a packed batch) with a cache that records states for speculative "
                              "decoding: the cache holds one state per row; pass one sequence per row")
+        if T == 1 and n == 0 and state is not None and cu_seqlens is None and self._decodes_in_place(x):
+            # one token per row: the state pool's decode step on the rows read (fused kernels on CUDA)
+            y = super().forward(x, state=state, state_slots=torch.arange(x.shape[0], device=x.device))
+            hf_cache.write(cache, self.layer_idx, [state], T, self.conv_kernel_size, x.dtype)
+            return y
         ys, states = [], []
         if T > n or state is None:
             head = x[:, :T - n]
@@ -143,6 +149,12 @@ class HFGatedDeltaNet(GatedDeltaNet):
             states.append(state)
         hf_cache.write(cache, self.layer_idx, states, T, self.conv_kernel_size, x.dtype)
         return ys[0] if len(ys) == 1 else torch.cat(ys, 1)
+
+    def _decodes_in_place(self, x) -> bool:
+        """Whether a decode step may update the state read from the cache in place (the pool's step): one rank,
+        and no autograd recording (the pool is for inference)."""
+        recording = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        return self.sp_size * self.cp_size == 1 and not recording
 
     def _packed_cu_seqlens(self, seq_idx, position_ids, B, T, cache):
         """``cu_seqlens`` (CPU int64) of all rows as one pack, or None when every row is one sequence

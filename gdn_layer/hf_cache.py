@@ -88,7 +88,7 @@ def read(cache, layer_idx: int, kernel_size: int, dtype: torch.dtype) -> GDNStat
     conv = conv[..., max(conv.shape[-1] - keep, 0):]
     if conv.shape[-1] < keep:
         conv = F.pad(conv, (keep - conv.shape[-1], 0))
-    return GDNState(conv.to(dtype), rec.to(dtype))
+    return GDNState(conv.to(dtype, copy=True), rec.to(dtype, copy=True))   # (copies: a decode step updates them in place)
 
 
 # attribute of the stand-in recurrent state for a token whose state a recorded call did not compute

@@ -174,3 +174,20 @@ def test_a_rollback_past_the_recorded_states_raises_instead_of_decoding_from_a_w
     ids = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="rolled back .* further than the states recorded"):
         rollback_logits(swapped, swapped, 1, 5, 3, ids)
+
+
+def test_decode_steps_run_the_pools_fused_kernels_and_equal_the_original(pair, monkeypatch):
+    """A cached one-token step runs the state pool's decode step on the rows read from the cache (on CUDA its
+    fused kernels; here the same kernels under Triton's interpreter): greedy tokens and logits as the
+    unswapped model's, over a left-padded batch."""
+    from gdn_layer import pool
+    from gdn_layer.kernels.triton import decode
+    calls = []
+    real = decode.decode_step
+    monkeypatch.setattr(pool, "FUSED_DECODE_ON_CPU", True)
+    monkeypatch.setattr(decode, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    original, swapped = pair
+    ids, mask = left_padded()
+    assert_same_generation(original, swapped, lambda m: m.generate(ids, attention_mask=mask, max_new_tokens=4,
+                                                                     **GREEDY))
+    assert len(calls) == 2 * 3                 # 2 swapped blocks x the 3 steps after the prefill
