@@ -93,3 +93,17 @@ def two_projections(x: torch.Tensor, w_m: torch.Tensor, w_z: torch.Tensor) -> tu
             and not torch.compiler.is_compiling()):
         return _TwoProjections.apply(x, w_m, w_z)
     return F.linear(x, w_m), F.linear(x, w_z)
+
+
+def few_token_projections(x: torch.Tensor, parts, z_proj) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(mixed, z)`` by one GEMM per part and a concatenation of the outputs, for a call autograd does not
+    record with fewer tokens than ``hidden`` (decode, a short chunk), else None. The layer's usual
+    ``x @ cat(W_qkv, W_a, W_b)^T`` copies the weights (``hidden x (conv_dim + 2 Hv)`` elements, 34 MB in bf16 at
+    Qwen3-Next's shape) at every call; with fewer tokens than ``hidden`` the outputs are the smaller copy.
+    ``parts`` and ``z_proj`` are plain bias-free ``nn.Linear`` modules (``plain_linear``)."""
+    weights = [m.weight for m in (*parts, z_proj)]
+    tokens = x.numel() // x.shape[-1]
+    recorded = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+    if tokens >= x.shape[-1] or recorded:
+        return None
+    return torch.cat([F.linear(x, w) for w in weights[:-1]], -1), F.linear(x, weights[-1])

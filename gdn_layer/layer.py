@@ -12,7 +12,7 @@ from gdn_layer import hf_blocks, kernels
 from gdn_layer.checks import check_config, check_inputs
 from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.derived import derived_from_sizes
-from gdn_layer.in_projection import plain_linear, two_projections
+from gdn_layer.in_projection import few_token_projections, plain_linear, two_projections
 from gdn_layer.kernels import (causal_conv1d, causal_conv1d_gate, chunk_gated_delta_rule, gdn_gate,
                                recurrent_gated_delta_rule)
 from gdn_layer.kernels.registry import conv_fuses_l2norm
@@ -286,17 +286,17 @@ class GatedDeltaNet(nn.Module):
             parts = (self.in_proj_qkv, self.in_proj_a, self.in_proj_b)
             as_z = lambda t: t.reshape(*x.shape[:2], Hv, Dv)   # noqa: E731
             if all(plain_linear(m) for m in parts) and len({(m.weight.dtype, m.weight.device) for m in parts}) == 1:
-                # the weights' concatenation is ~(conv_dim + 2 Hv) x hidden elements, small next to the
-                # activations: one GEMM into the [qkv | a | b] buffer, or under SP straight into the
-                # all-to-all's send buffer (project_seq_to_head: no activation-sized copy either way)
+                # one GEMM on the weights' concatenation (small next to a training call's activations) into the
+                # [qkv | a | b] buffer, under SP into the all-to-all's send buffer (project_seq_to_head); x's two
+                # input gradients summed in the backward's GEMMs; few inference tokens: no weight copy (in_projection)
+                if self.sp_size == 1 and plain_linear(self.in_proj_z):
+                    mixed, z = (few_token_projections(x, parts, self.in_proj_z) or two_projections(
+                        x, torch.cat([m.weight for m in parts]), self.in_proj_z.weight))
+                    return mixed, as_z(z)
                 weight = torch.cat([m.weight for m in parts])
                 if self.sp_size > 1:
                     return project_seq_to_head(x, weight, self._feature_index(x.device), self.sp_group), \
                         as_z(self.in_proj_z(x))
-                if plain_linear(self.in_proj_z):
-                    # x's two input gradients summed inside the backward's GEMMs (gdn_layer/in_projection.py)
-                    mixed, z = two_projections(x, weight, self.in_proj_z.weight)
-                    return mixed, as_z(z)
                 return F.linear(x, weight), as_z(self.in_proj_z(x))
             z = as_z(self.in_proj_z(x))
             qkv, a, b = (m(x) for m in parts)   # wrapped projections (LoRA, hooks, quantized): call them

@@ -163,3 +163,39 @@ def test_falls_back_on_a_device_type_autocast_does_not_know(monkeypatch):
     monkeypatch.setattr(torch.amp, "is_autocast_available", lambda device_type: False)
     m, _ = two_projections(x, w_m, w_z)
     assert "TwoProjections" not in type(m.grad_fn).__name__
+
+
+def _weight_copies(layer, x):
+    """The ``aten.cat`` calls of one call whose output is weight-sized (``hidden`` columns)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Cats(TorchDispatchMode):
+        found = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.cat.default and out.dim() == 2 and out.shape[-1] == layer.hidden_size:
+                self.found.append(tuple(out.shape))
+            return out
+    with Cats() as spy:
+        y = layer(x)
+    return y, spy.found
+
+
+@pytest.mark.parametrize("tokens, mode, copies", [(3, "no_grad", False), (3, "inference", False),
+                                                  (3, "grad", True), (40, "no_grad", True)])
+def test_few_inference_tokens_project_without_copying_the_weights(tokens, mode, copies):
+    """Fewer tokens than hidden and no autograd recording: one GEMM per part (no weight concatenation), the
+    values of the concatenated GEMM; otherwise the concatenation, as training runs it."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(32, 2, 4, 8, 8, dtype=torch.float64)
+    x = torch.randn(1, tokens, 32, dtype=torch.float64)
+    ctx = {"no_grad": torch.no_grad(), "inference": torch.inference_mode(), "grad": torch.enable_grad()}[mode]
+    with ctx:
+        _, found = _weight_copies(layer, x)
+        mixed, z = layer._project(x)
+    assert bool(found) == copies, found
+    with torch.no_grad():
+        w = torch.cat([layer.in_proj_qkv.weight, layer.in_proj_a.weight, layer.in_proj_b.weight])
+        assert (mixed - F.linear(x, w)).abs().max() < 1e-12
+        assert (z.flatten(2) - F.linear(x, layer.in_proj_z.weight)).abs().max() < 1e-12
