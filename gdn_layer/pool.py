@@ -134,8 +134,9 @@ def _check_index(name, t, shape, device, what):
 def pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every) -> PoolCall:
     """The call's indices as int64 on the device; ``cu`` over the tokens flattened to ``[1, B * T]``."""
     B, T = x.shape[:2]
-    if cu is None:
-        cu = torch.arange(B + 1, device=x.device) * T
+    if cu is None:   # (one launch: the decode step's graph replays it)
+        cu = torch.arange(0, (B + 1) * T, T, device=x.device) if T else torch.zeros(B + 1, dtype=torch.long,
+                                                                                      device=x.device)
     # contiguous: the fused decode kernels index slots by position (an int64 view of a wider table would not be
     # copied by .long() alone)
     ck = None if checkpoint_slots is None else checkpoint_slots.long().contiguous()
