@@ -17,6 +17,7 @@ import json
 import time
 
 import torch
+from timing import add_shape_args
 
 from gdn_layer import GatedDeltaNet
 
@@ -27,10 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384], help="packed T per step")
     p.add_argument("--docs", type=int, default=8, help="documents per pack (equal lengths)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--k-heads", type=int, default=16)
-    p.add_argument("--v-heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
+    add_shape_args(p)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", help="also write the results here")
     return p.parse_args(argv)

@@ -30,6 +30,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
+from timing import add_shape_args
 
 
 def union(intervals):
@@ -129,10 +130,7 @@ def main():
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--T", type=int, default=65536, help="global packed tokens")
     ap.add_argument("--docs", type=int, default=9)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--k-heads", type=int, default=16)
-    ap.add_argument("--v-heads", type=int, default=32)
-    ap.add_argument("--head-dim", type=int, default=128)
+    add_shape_args(ap)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=15)

@@ -1,4 +1,5 @@
-"""Timing and traffic helpers shared by the multi-rank benchmarks (``bench_all_to_all.py``, ``bench_parallel.py``)."""
+"""Timing and traffic helpers shared by the multi-rank benchmarks (``bench_all_to_all.py``, ``bench_parallel.py``);
+``add_shape_args`` also by ``bench_vs_transformers.py`` and ``profile_sp.py``."""
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,21 @@ def _int_at_least(lo: int):
     return parse
 
 
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The layer's shape: ``--hidden``, ``--k-heads``, ``--v-heads``, ``--head-dim`` (Qwen3-Next's by default)."""
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--k-heads", type=int, default=16)
+    p.add_argument("--v-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+
+
 def add_common_args(p: argparse.ArgumentParser, iters: int) -> None:
     """The arguments both multi-rank benchmarks take: device, dtype, global lengths, the layer's shape
     (Qwen3-Next's by default), timing repetitions and ``--json``."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seq-lens", type=_int_at_least(1), nargs="+", default=[65536, 131072], help="global packed T")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--k-heads", type=int, default=16)
-    p.add_argument("--v-heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
+    add_shape_args(p)
     p.add_argument("--iters", type=_int_at_least(1), default=iters)
     p.add_argument("--warmup", type=_int_at_least(0), default=3)
     p.add_argument("--json", help="rank 0 also writes the rows here")
