@@ -130,6 +130,9 @@ def pack(token_docs: list[list[int]], seq_len: int, max_batches: int | None = No
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
     if doc_mode not in DOC_MODES:
         raise ValueError(f"--doc-mode must be one of {DOC_MODES}, got {doc_mode!r}")
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches < 1):
+        raise ValueError(f"max_batches must be None or an int >= 1, got {max_batches!r}")
     if doc_mode == "concat":
         text = [t for doc in token_docs for t in doc]
         n = len(text) // seq_len if max_batches is None else min(len(text) // seq_len, max_batches)

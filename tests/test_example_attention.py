@@ -216,3 +216,10 @@ def test_resume_refuses_another_doc_mode(corpus, tmp_path):
     finetune.run(finetune.parse_args(argv(corpus, str(tmp_path), 1, steps=1)))
     with pytest.raises(ValueError, match="different settings .*'doc_mode': \\('short', 'concat'\\)"):
         finetune.run(finetune.parse_args(argv(corpus, str(tmp_path), 1, "--resume", "--doc-mode", "concat")))
+
+
+@pytest.mark.parametrize("mode", ["short", "concat"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_pack_refuses_a_batch_count_below_one_in_both_modes(mode, bad):
+    with pytest.raises(ValueError, match="max_batches"):
+        text_data.pack(DOCS, 4, max_batches=bad, doc_mode=mode)
