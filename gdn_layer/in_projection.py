@@ -104,6 +104,7 @@ def few_token_projections(x: torch.Tensor, parts, z_proj) -> tuple[torch.Tensor,
     weights = [m.weight for m in (*parts, z_proj)]
     tokens = x.numel() // x.shape[-1]
     recorded = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
-    if tokens >= x.shape[-1] or recorded:
+    # (not while torch.compile traces: a branch on the token count would guard a dynamic length)
+    if recorded or torch.compiler.is_compiling() or tokens >= x.shape[-1]:
         return None
     return torch.cat([F.linear(x, w) for w in weights[:-1]], -1), F.linear(x, weights[-1])

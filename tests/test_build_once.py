@@ -11,10 +11,12 @@ from gdn_layer.kernels import build_once
 pytestmark = pytest.mark.skipif(build_once.fcntl is None, reason="no fcntl: every process builds by design")
 
 
-def _warm(directory, key, log, fail=False):
-    """A process's warmup: records (pid, built?, start, end) in ``log``."""
+def _warm(directory, key, log, fail=False, entered=None):
+    """A process's warmup: records (pid, built?, start, end) in ``log``; sets ``entered`` inside the build."""
     with build_once.first_on_machine(key, directory) as building:
         start = time.monotonic()
+        if entered is not None:
+            entered.set()
         if building:
             time.sleep(0.6)                       # a cold build
             if fail:
@@ -24,10 +26,11 @@ def _warm(directory, key, log, fail=False):
 
 def _run(directory, key, n, fail_first=False):
     ctx = mp.get_context("fork")       # (the child runs no torch code)
-    log = ctx.Queue()
-    procs = [ctx.Process(target=_warm, args=(directory, key, log, fail_first and i == 0)) for i in range(n)]
+    log, entered = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_warm, args=(directory, key, log, fail_first and i == 0, entered if i == 0 else None))
+             for i in range(n)]
     procs[0].start()
-    time.sleep(0.3)                              # the first takes the lock before the others start
+    assert entered.wait(60)          # the first holds the lock (or found the marker) before the others start
     for p in procs[1:]:
         p.start()
     for p in procs:
