@@ -30,6 +30,7 @@ from gdn_layer.derived import derived_from_sizes
 from gdn_layer.kernels import chunk_gated_delta_rule, cu_cache
 from gdn_layer.parallel.context import (affine_scan, gather_from_ranks, plan_slice, rows_before_slice,
                                         select_owned)
+from gdn_layer.state import state_dtype
 
 
 def _tie(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
@@ -107,10 +108,6 @@ def whole_sequence_cu(T: int, device: torch.device) -> torch.Tensor:
 _WHOLE: dict = {}
 
 
-def _state_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _conv_initial_state(layer, mixed, plan, state) -> torch.Tensor | None:
     """``[N, C_local, W-1]``: the state's rows (zeros without a state), with the incoming sequence's row
     replaced by the last W-1 inputs before the slice: the sequence's own earlier tokens, gathered from
@@ -122,7 +119,7 @@ def _conv_initial_state(layer, mixed, plan, state) -> torch.Tensor | None:
         return own
     N = plan.cu_local.numel() - 1
     if own is None:
-        own = mixed.new_zeros(N, C, W - 1, dtype=_state_dtype(mixed))
+        own = mixed.new_zeros(N, C, W - 1, dtype=state_dtype(mixed.dtype))
     m = min(W - 1, plan.length)
     tails = gather_from_ranks(mixed[0, plan.length - m:, :C], layer.cp_group)  # [cp, m, C]
     if plan.incoming < 0:
@@ -141,7 +138,7 @@ def _recurrent_initial_state(layer, qkvgb, plan, state) -> torch.Tensor:
     N = plan.cu_local.numel() - 1
     hv, Dk, Dv = v.shape[2], k.shape[3], v.shape[3]
     if own is None:
-        own = v.new_zeros(N, hv, Dk, Dv, dtype=_state_dtype(v))
+        own = v.new_zeros(N, hv, Dk, Dv, dtype=state_dtype(v.dtype))
     maps = gather_from_ranks(_outgoing_map(layer, qkvgb, plan, own), layer.cp_group)  # [cp, hv, Dk, Dk+Dv]
     if plan.incoming < 0:
         return _tie(own, maps)

@@ -26,6 +26,7 @@ from gdn_layer.hf_packing import (MASK_GIVEN_KEY, POSITION_KEY, packed_cu_seqlen
                                  watch_model_inputs)
 from gdn_layer.layer import GatedDeltaNet
 from gdn_layer.parallel import seq_to_head
+from gdn_layer.state import autograd_records, state_dtype
 
 
 def from_hf(hf_module: nn.Module, sp_group=None, backend: str = "auto", cp_group=None) -> GatedDeltaNet:
@@ -121,15 +122,16 @@ class HFGatedDeltaNet(GatedDeltaNet):
         transformers records states for speculative decoding (``n = states_to_keep``: one more than its own
         block keeps), the last ``n`` tokens run one at a time after the others, so the state after each is known.
         A one-token step otherwise runs the state pool's decode step on the rows read (gdn_layer/pool.py)."""
-        # the layer's state dtype: fp32, or fp64 for an fp64 model (never rounded to fp32)
-        dt = torch.float64 if self.out_proj.weight.dtype == torch.float64 else torch.float32
-        state = hf_cache.read(cache, self.layer_idx, self.conv_kernel_size, dt)
         T = x.shape[1]
         n = hf_cache.states_to_keep(cache, self.layer_idx, T)
         if n and cu_seqlens is not None:
             raise ValueError("cu_seq_lens_q (a packed batch) with a cache that records states for speculative "
                              "decoding: the cache holds one state per row; pass one sequence per row")
-        if T == 1 and n == 0 and state is not None and cu_seqlens is None and self._decodes_in_place(x):
+        in_place = T == 1 and n == 0 and cu_seqlens is None and self._decodes_in_place(x)
+        # fp64 for an fp64 model (never rounded to fp32); rows updated in place are the layer's own copies
+        state = hf_cache.read(cache, self.layer_idx, self.conv_kernel_size, state_dtype(self.out_proj.weight.dtype),
+                              copy=in_place)
+        if in_place and state is not None:
             # one token per row: the state pool's decode step on the rows read (fused kernels on CUDA)
             y = super().forward(x, state=state, state_slots=torch.arange(x.shape[0], device=x.device))
             hf_cache.write(cache, self.layer_idx, [state], T, self.conv_kernel_size, x.dtype)
@@ -153,8 +155,7 @@ class HFGatedDeltaNet(GatedDeltaNet):
     def _decodes_in_place(self, x) -> bool:
         """Whether a decode step may update the state read from the cache in place (the pool's step): one rank,
         and no autograd recording (the pool is for inference)."""
-        recording = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-        return self.sp_size * self.cp_size == 1 and not recording
+        return self.sp_size * self.cp_size == 1 and not autograd_records(x, self.parameters())
 
     def _packed_cu_seqlens(self, seq_idx, position_ids, B, T, cache):
         """``cu_seqlens`` (CPU int64) of all rows as one pack, or None when every row is one sequence

@@ -66,10 +66,11 @@ def states_to_keep(cache, layer_idx: int, length: int) -> int:
     return min(int(cache.get_recurrent_states_to_keep(layer_idx) or 0) + 1, length)
 
 
-def read(cache, layer_idx: int, kernel_size: int, dtype: torch.dtype) -> GDNState | None:
+def read(cache, layer_idx: int, kernel_size: int, dtype: torch.dtype, copy: bool = False) -> GDNState | None:
     """The ``GDNState`` (in ``dtype``) the cache holds for layer ``layer_idx``, or None before its first call.
     A recorded conv history shorter than ``W - 1`` inputs (a short first call while recording) is
-    left-padded with zeros, as transformers' conv pads it.
+    left-padded with zeros, as transformers' conv pads it. ``copy``: tensors of their own, never views of the
+    cache's (for a caller that updates them in place).
 
     Raises:
         ValueError: the cache was rolled back to a token whose state was not recorded (``write``).
@@ -88,7 +89,7 @@ def read(cache, layer_idx: int, kernel_size: int, dtype: torch.dtype) -> GDNStat
     conv = conv[..., max(conv.shape[-1] - keep, 0):]
     if conv.shape[-1] < keep:
         conv = F.pad(conv, (keep - conv.shape[-1], 0))
-    return GDNState(conv.to(dtype, copy=True), rec.to(dtype, copy=True))   # (copies: a decode step updates them in place)
+    return GDNState(conv.to(dtype, copy=copy), rec.to(dtype, copy=copy))
 
 
 # attribute of the stand-in recurrent state for a token whose state a recorded call did not compute

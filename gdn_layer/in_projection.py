@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gdn_layer.state import autograd_records
+
 
 def plain_linear(m: nn.Module) -> bool:
     """A bias-free ``nn.Linear`` itself, whose weight may be used directly: no subclass, no ``forward``
@@ -103,8 +105,7 @@ def few_token_projections(x: torch.Tensor, parts, z_proj) -> tuple[torch.Tensor,
     ``parts`` and ``z_proj`` are plain bias-free ``nn.Linear`` modules (``plain_linear``)."""
     weights = [m.weight for m in (*parts, z_proj)]
     tokens = x.numel() // x.shape[-1]
-    recorded = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
     # (not while torch.compile traces: a branch on the token count would guard a dynamic length)
-    if recorded or torch.compiler.is_compiling() or tokens >= x.shape[-1]:
+    if autograd_records(x, weights) or torch.compiler.is_compiling() or tokens >= x.shape[-1]:
         return None
     return torch.cat([F.linear(x, w) for w in weights[:-1]], -1), F.linear(x, weights[-1])

@@ -32,7 +32,7 @@ import torch
 
 from gdn_layer.checks import check_inputs, positive_int
 from gdn_layer.kernels.validation import values_checkable
-from gdn_layer.state import GDNState, check_state
+from gdn_layer.state import GDNState, autograd_records, check_state, state_dtype
 from gdn_layer.submodules import conv_weight
 
 # the fused decode step on CPU tensors too (tests, under TRITON_INTERPRET=1); on CUDA it is always on
@@ -65,8 +65,7 @@ def check_pool_flags(layer, x, output_state, token_order) -> None:
                          "in place; read them there (pool.recurrent_state[slots])")
     if token_order is not None:
         raise ValueError("token_order with state_slots: a state pool serves one rank; pass tokens in order")
-    if torch.is_grad_enabled() and (getattr(x, "requires_grad", False)
-                                    or any(p.requires_grad for p in layer.parameters())):
+    if autograd_records(x, layer.parameters()):
         raise ValueError("state_slots (a state pool) is for inference: autograd is recording (grad mode on and "
                          "hidden_states or a parameter requires grad); call under torch.no_grad() or "
                          "torch.inference_mode(), or use state= / output_state=True for training")
@@ -98,7 +97,7 @@ def check_pool_call(layer, x, cu, pool, state_slots, checkpoint_slots, checkpoin
                              "pool outside it (layer.new_state under torch.no_grad())")
     n = x.shape[0] if cu is None else cu.numel() - 1
     _check_index("state_slots", state_slots, (n,), x.device,
-                 "N = B without cu_seqlens, len(cu_seqlens) - 1 with it")
+                 "N = B without cu_seqlens, len(cu_seqlens) - 1 with it", rows)
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
         raise TypeError(f"checkpoint_every must be an int, got {type(checkpoint_every).__name__}")
     if not (checkpoint_every == 1 or (checkpoint_every > 0 and checkpoint_every % 64 == 0)):
@@ -110,10 +109,11 @@ def check_pool_call(layer, x, cu, pool, state_slots, checkpoint_slots, checkpoin
         raise ValueError("checkpoint_slots must be an int32/int64 [N, M] tensor, got "
                          + (f"shape {tuple(checkpoint_slots.shape)}" if isinstance(checkpoint_slots, torch.Tensor)
                             else type(checkpoint_slots).__name__))
-    _check_index("checkpoint_slots", checkpoint_slots, (n, checkpoint_slots.shape[1]), x.device, "N as state_slots")
+    _check_index("checkpoint_slots", checkpoint_slots, (n, checkpoint_slots.shape[1]), x.device, "N as state_slots",
+                 rows)
 
 
-def _check_index(name, t, shape, device, what):
+def _check_index(name, t, shape, device, what, rows):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be an int32/int64 tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int32, torch.int64):
@@ -125,6 +125,8 @@ def _check_index(name, t, shape, device, what):
     if t.numel() and values_checkable(t):   # on CPU, or on an accelerator with validation on (a sync)
         if (t < -1).any():
             raise ValueError(f"{name} holds {int(t.min())}: entries are row indices >= 0, or -1 for none")
+        if int(t.max()) >= rows:
+            raise ValueError(f"{name} holds row {int(t.max())}, but the pool has {rows} rows (0 .. {rows - 1})")
         used = t[t >= 0]
         if used.unique().numel() != used.numel():
             raise ValueError(f"{name} names a row twice: each "
@@ -134,29 +136,17 @@ def _check_index(name, t, shape, device, what):
 def pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every) -> PoolCall:
     """The call's indices as int64 on the device; ``cu`` over the tokens flattened to ``[1, B * T]``."""
     B, T = x.shape[:2]
-    if cu is None:   # (one launch: the decode step's graph replays it)
-        cu = torch.arange(0, (B + 1) * T, T, device=x.device) if T else torch.zeros(B + 1, dtype=torch.long,
-                                                                                      device=x.device)
-    # contiguous: the fused decode kernels index slots by position (an int64 view of a wider table would not be
-    # copied by .long() alone)
-    ck = None if checkpoint_slots is None else checkpoint_slots.long().contiguous()
-    return PoolCall(pool, state_slots.long().contiguous(), ck, checkpoint_every, cu.long())
+    if cu is None:
+        cu = torch.arange(B + 1, device=x.device) * T
+    ck = None if checkpoint_slots is None else checkpoint_slots.long()
+    return PoolCall(pool, state_slots.long(), ck, checkpoint_every, cu.long())
 
 
-def check_rows_in_range(call: PoolCall) -> None:
-    """Where values are checked (``values_checkable``): every row index below the pool's size."""
-    rows = call.pool.recurrent_state.shape[0]
-    for name, t in (("state_slots", call.slots), ("checkpoint_slots", call.ck)):
-        if t is not None and t.numel() and values_checkable(t) and int(t.max()) >= rows:
-            raise ValueError(f"{name} holds row {int(t.max())}, but the pool has {rows} rows (0 .. {rows - 1})")
-
-
-def gather(call: PoolCall, slots: torch.Tensor | None = None) -> GDNState:
-    """The rows of ``slots`` (default: the call's), zero for -1 (selected, not multiplied: a NaN in the row
-    the index is clamped to stays out)."""
-    slots = call.slots if slots is None else slots
-    rows = slots.clamp_min(0)
-    keep = (slots >= 0)
+def gather(call: PoolCall) -> GDNState:
+    """The call's rows, zero for -1 (selected, not multiplied: a NaN in the row the index is clamped to stays
+    out)."""
+    rows = call.slots.clamp_min(0)
+    keep = call.valid
     conv = call.pool.conv_state.index_select(0, rows)
     rec = call.pool.recurrent_state.index_select(0, rows)
     return GDNState(torch.where(keep[:, None, None], conv, torch.zeros((), dtype=conv.dtype, device=conv.device)),
@@ -202,8 +192,7 @@ def round_index(cu: torch.Tensor, start: torch.Tensor | int, width: int | None, 
 def new_pool(layer, num_slots: int) -> GDNState:
     """``layer.new_state(num_slots)``: zero rows, float32 (float64 for a float64 layer), on the layer's device."""
     num_slots = positive_int("num_slots", num_slots)
-    kw = {"device": layer.A_log.device,
-          "dtype": torch.float64 if layer.out_proj.weight.dtype == torch.float64 else torch.float32}
+    kw = {"device": layer.A_log.device, "dtype": state_dtype(layer.out_proj.weight.dtype)}
     return GDNState(torch.zeros(num_slots, layer.conv_dim, layer.conv_kernel_size - 1, **kw),
                     torch.zeros(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, **kw))
 
@@ -217,15 +206,14 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
     check_pool_flags(layer, x, output_state, token_order)
     cu, _ = check_inputs(layer, x, cu_seqlens, None, False)
     check_pool_call(layer, x, cu, pool, state_slots, checkpoint_slots, checkpoint_every)
-    call = pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every)
-    check_rows_in_range(call)
     B, T = x.shape[:2]
     if B * T == 0:                             # no token: every row stays as it is
         return x.new_zeros(B, T, layer.hidden_size)
     mixed, z = layer._project(x)
-    if _fused_decode(x, cu, call):
-        o = _decode_step(layer, mixed.reshape(B, -1), call)
+    if _fused_decode(x, cu, pool, checkpoint_slots):
+        o = _decode_step(layer, mixed.reshape(B, -1), pool, state_slots)
         return layer.out_proj(layer.norm(o[:, None], z).flatten(2))
+    call = pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every)
     mixed = mixed.reshape(1, B * T, -1)        # B rows are B sequences of call.cu
     state = gather(call)
     if call.ck is None:
@@ -242,25 +230,24 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
     return layer.out_proj(o.flatten(2))
 
 
-def _fused_decode(x, cu, call: PoolCall) -> bool:
+def _fused_decode(x, cu, pool: GDNState, checkpoint_slots) -> bool:
     """Whether the call is a decode step the fused kernels take (from shapes and the device alone)."""
-    pool = call.pool
-    return (call.ck is None and cu is None and x.shape[1] == 1
+    return (checkpoint_slots is None and cu is None and x.shape[1] == 1
             and pool.conv_state.stride(-1) == 1 and pool.recurrent_state.stride(-1) == 1
             and pool.conv_state.stride(0) != 0 and pool.recurrent_state.stride(0) != 0   # (rows of their own)
             and not torch.compiler.is_compiling()          # (a trace takes the op-by-op step: aten ops only)
             and (x.is_cuda or (FUSED_DECODE_ON_CPU and x.device.type == "cpu")))
 
 
-def _decode_step(layer, mixed, call: PoolCall):
-    """``o [N, Hv, Dv]`` of one token per sequence, the pool rows updated in place (kernels/triton/decode.py)."""
+def _decode_step(layer, mixed, pool: GDNState, slots):
+    """``o [N, Hv, Dv]`` of one token per sequence, the pool rows updated in place (kernels/triton/decode.py, which
+    indexes ``slots`` by position: an int64 column of a wider table is made contiguous)."""
     from gdn_layer.kernels.triton.decode import decode_step
-    pool = call.pool
     weight = conv_weight(layer.conv1d).squeeze(1)
     return decode_step(mixed if mixed.stride(-1) == 1 else mixed.contiguous(),
                        weight if weight.stride(-1) == 1 else weight.contiguous(),
-                       layer.A_log.contiguous(), layer.dt_bias.contiguous(), pool.conv_state,
-                       pool.recurrent_state, call.slots, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim,
+                       layer.A_log.contiguous(), layer.dt_bias.contiguous(), pool.conv_state, pool.recurrent_state,
+                       slots.long().contiguous(), layer.num_k_heads, layer.num_v_heads, layer.head_k_dim,
                        layer.head_v_dim)
 
 

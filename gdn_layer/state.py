@@ -6,6 +6,17 @@ from dataclasses import dataclass
 import torch
 
 
+def autograd_records(x, params) -> bool:
+    """Whether autograd records a call on ``x`` with ``params``: grad mode on and ``x`` or a parameter requires
+    grad (a state pool, updated in place, refuses such calls; inference-only shortcuts skip them)."""
+    return torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or any(p.requires_grad for p in params))
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The states' dtype for activations (or weights) of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass
 class GDNState:
     """State of a GatedDeltaNet layer after a sequence (or a pack of N sequences).
@@ -59,7 +70,7 @@ def check_state(state, num_sequences: int, conv_dim: int, kernel_size: int, num_
     for name, t in (("conv_state", state.conv_state), ("recurrent_state", state.recurrent_state)):
         if dtype is None and t.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"state.{name} must be float32 (float64 with float64 activations), got {t.dtype}")
-        want = torch.float64 if dtype == torch.float64 else torch.float32
+        want = state_dtype(dtype)
         if dtype is not None and t.dtype != want:
             raise TypeError(f"state.{name} must be {want} with {dtype} activations "
                             f"(float32 unless the activations are float64), got {t.dtype}")

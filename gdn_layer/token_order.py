@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gdn_layer.context_parallel import _state_dtype, _tie, mix_planned
+from gdn_layer.context_parallel import _tie, mix_planned
 from gdn_layer.kernels import chunk_gated_delta_rule
 from gdn_layer.kernels.cu_cache import derived, host_copy
 from gdn_layer.kernels.validation import values_checkable
@@ -28,6 +28,7 @@ from gdn_layer.parallel.context import gather_from_ranks
 from gdn_layer.parallel.fragments import (FragmentPlan, compose_chains, count_fragments, max_fragments_per_rank,
                                           plan_fragments)
 from gdn_layer.parallel.token_order import check_token_order
+from gdn_layer.state import state_dtype
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def _conv_initial_state(layer, mixed, plan, state):
         return None if own is None else own.index_select(0, plan.piece_seq)
     N = plan.owner.numel()
     if own is None:
-        own = mixed.new_zeros(N, C, window, dtype=_state_dtype(mixed))
+        own = mixed.new_zeros(N, C, window, dtype=state_dtype(mixed.dtype))
     base = own.index_select(0, plan.piece_seq)
     if not plan.passing:
         return base
@@ -166,7 +167,7 @@ def _recurrent_initial_state(layer, qkvgb, plan, state):
     N, K = plan.owner.numel(), plan.cu_local.numel() - 1
     hv, Dk, Dv = v.shape[2], k.shape[3], v.shape[3]
     if own is None:
-        own = v.new_zeros(N, hv, Dk, Dv, dtype=_state_dtype(v))
+        own = v.new_zeros(N, hv, Dk, Dv, dtype=state_dtype(v.dtype))
     base = own.index_select(0, plan.piece_seq)
     if not plan.passing:
         return base

@@ -129,7 +129,7 @@ def _run_jobs(layer, dtype, jobs) -> None:
 
 
 def _run_job_list(layer, dtype, jobs) -> None:
-    from gdn_layer.state import GDNState
+    from gdn_layer.state import GDNState, state_dtype
 
     p = layer.out_proj.weight    # the activations' dtype (A_log, dt_bias may be kept in fp32)
     device, P = p.device, layer.sp_size * getattr(layer, "cp_size", 1)    # ranks a pack is sliced over
@@ -137,7 +137,7 @@ def _run_job_list(layer, dtype, jobs) -> None:
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != p.dtype
                 else torch.autocast(device.type, enabled=False))
 
-    sdt = torch.float64 if dtype == torch.float64 else torch.float32     # the layer's rule for state dtypes
+    sdt = state_dtype(dtype)
     # inputs from a fixed seed of our own, drawn on the CPU: the same on every rank whatever each rank's
     # global RNG (ranks commonly seed base + rank), since under SP / CP the layer checks that the ranks
     # pass the same state; and the global RNG is not drawn from
