@@ -131,6 +131,6 @@ def write(cache, layer_idx: int, states: list[GDNState], length: int, kernel_siz
 def _count(cache, layer_idx: int, tokens: int) -> None:
     """Add ``tokens`` to the count of tokens a linear layer has seen (transformers >= 5.25 counts the conv
     inputs handed to ``update_conv_state``; 5.24 counts nothing there)."""
-    counter = getattr(getattr(cache, "layers", [None] * (layer_idx + 1))[layer_idx], "cumulative_length_linear", None)
+    counter = getattr(cache.layers[layer_idx], "cumulative_length_linear", None)    # (5.24's layers have none)
     if tokens and isinstance(counter, torch.Tensor):
         counter.add_(tokens)
