@@ -289,12 +289,15 @@ def main(argv=None):
                     "(fla.layers.GatedDeltaNet, expand_v=1) for comparison")
     ap.add_argument("--graphs", action="store_true", help="also time a CUDA graph replay of forward+backward "
                     "(our layer)")
+    ap.add_argument("--mix-graphs", nargs="+", default=["on", "off"], choices=["on", "off"],
+                    help="our layer with its token mixing replayed from per-signature CUDA graphs (on, the "
+                    "default of the layer) and / or run op by op (off: gdn_layer.mix_graphs.set_enabled(False))")
     ap.add_argument("--label", default="", help="a name printed in each row (e.g. 'before' / 'after')")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     from requires import require_cuda
     require_cuda("bench_host_cost.py", fla=args.layer == "fla")
-    from gdn_layer import GatedDeltaNet
+    from gdn_layer import GatedDeltaNet, mix_graphs
     rows = []
     print("| label | shape | T | docs | launches | host ms | GPU busy ms | wall ms |\n|---|---|---|---|---|---|---|---|",
           flush=True)
@@ -308,15 +311,19 @@ def main(argv=None):
         else:
             layer = GatedDeltaNet(H, HK, HV, D, D, backend=args.backend, device="cuda", dtype=torch.bfloat16)
         for j, T in enumerate(args.T):
-            row = measure(layer, T, args.docs, args.iters, args.prof_iters, args.same_cu,
-                          args.top if i == j == 0 else 0, args.cprofile if i == j == 0 else 0,
-                          args.breakdown and i == j == 0, args.graphs, args.pyprof if i == j == 0 else 0)
-            row.update(shape=shape, label=args.label, layer=args.layer, same_cu=args.same_cu,
-                       backend=getattr(layer, "resolved_backend", "fla layer"))
-            rows.append(row)
-            print(f"| {args.label} | {shape} | {T} | {args.docs} | {row['launches']:.0f} | {row['host_ms']} | "
-                  f"{row['gpu_ms']} | {row['wall_ms']} |" + (f" graph replay {row['graph_ms']} ms" if "graph_ms" in row
-                                                             else ""), flush=True)
+            for mode in (args.mix_graphs if args.layer == "ours" else ["-"]):
+                mix_graphs.set_enabled(mode != "off")
+                row = measure(layer, T, args.docs, args.iters, args.prof_iters, args.same_cu,
+                              args.top if i == j == 0 else 0, args.cprofile if i == j == 0 else 0,
+                              args.breakdown and i == j == 0, args.graphs and mode != "on",
+                              args.pyprof if i == j == 0 else 0)
+                label = f"{args.label} mix graphs {mode}" if args.layer == "ours" else args.label
+                row.update(shape=shape, label=label, layer=args.layer, same_cu=args.same_cu, mix_graphs=mode,
+                           backend=getattr(layer, "resolved_backend", "fla layer"), mix_stats=mix_graphs.stats())
+                rows.append(row)
+                print(f"| {label} | {shape} | {T} | {args.docs} | {row['launches']:.0f} | {row['host_ms']} | "
+                      f"{row['gpu_ms']} | {row['wall_ms']} |" + (f" graph replay {row['graph_ms']} ms"
+                                                                 if "graph_ms" in row else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

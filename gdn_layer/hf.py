@@ -231,8 +231,8 @@ class HFOlmoHybridGatedDeltaNet(HFGatedDeltaNet):
             mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group)
         return mixed, z
 
-    def _conv_gate(self, mixed, cu, initial_state, output_state):
-        q, k, v, g, beta, conv_state = super()._conv_gate(mixed, cu, initial_state, output_state)
+    def _conv_gate(self, mixed, cu, initial_state, output_state, params=None):
+        q, k, v, g, beta, conv_state = super()._conv_gate(mixed, cu, initial_state, output_state, params)
         return q, k, v, g, (beta * 2.0 if self.allow_neg_eigval else beta), conv_state
 
     def extra_repr(self) -> str:

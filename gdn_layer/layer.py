@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gdn_layer import hf_blocks, kernels
+from gdn_layer import hf_blocks, kernels, mix_graphs
 from gdn_layer.checks import check_config, check_inputs
 from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.derived import derived_from_sizes
@@ -163,12 +163,10 @@ class GatedDeltaNet(nn.Module):
     def _feature_index(self, device: torch.device) -> torch.Tensor:
         """Per rank: which channels of ``[q_all | k_all | v_all | a | b]`` it owns after the all-to-all.
 
-        int64 ``[P, C_local + 2 Hv_local]`` on ``device``, derived from the sizes alone. Built on first use
-        per device and kept in a plain dict (``gdn_layer.derived.derived_from_sizes``: built outside inference
-        mode, so an eval pass under ``torch.inference_mode`` cannot hand the next training step an inference
-        tensor), never a buffer: ``to_empty`` (meta-device init) would leave a buffer uninitialised, and
-        neither ``reset_parameters`` nor ``load_state_dict`` would refill it. Never traced by torch.compile
-        (SP only; a graph break): traced, a new index tensor per call would defeat ``plan_for``'s cache.
+        int64 ``[P, C_local + 2 Hv_local]`` on ``device``, from the sizes alone, kept per device in a plain dict
+        (``derived_from_sizes``: built outside inference mode), never a buffer (``to_empty`` after meta init
+        would leave it uninitialised). Never traced by torch.compile (SP only; a new index tensor per traced
+        call would defeat ``plan_for``'s cache).
         """
         def build():
             Dk, Dv, Hv = self.head_k_dim, self.head_v_dim, self.num_v_heads
@@ -243,6 +241,8 @@ class GatedDeltaNet(nn.Module):
         # with token_order, put in original order (gdn_layer/token_order.py)
         mixed, z = self._project(hidden_states)
         mixed = to_original_order(mixed, held)
+        if (o := mix_graphs.try_mix(self, mixed, z, cu, state, output_state, held)) is not None:  # a replay
+            return self.out_proj(o.flatten(2))
         with self._checked_already():
             if held is not None and held.fragments is not None:  # cp over fragments of the original order
                 o, conv_state, recurrent_state = fragment_token_mix(self, mixed, state, output_state,
@@ -334,17 +334,17 @@ class GatedDeltaNet(nn.Module):
         vh = self.heads.v_heads(self.sp_rank)
         return state.recurrent_state[:, vh.start:vh.stop]
 
-    def _conv_gate(self, mixed, cu, initial_state, output_state):
+    def _conv_gate(self, mixed, cu, initial_state, output_state, params=None):
         """Causal conv + SiLU over the full T on this rank's channels, from ``initial_state`` (this rank's
         channels, or None), and the gate ``g = -exp(A_log) softplus(a + dt_bias)`` (fp32, fp64 for fp64
-        weights), ``beta = sigmoid(b)`` of this rank's heads: ``(q, k, v, g, beta, conv_state)``."""
+        weights), ``beta = sigmoid(b)`` of this rank's heads: ``(q, k, v, g, beta, conv_state)``. ``params``:
+        ``(conv weight [C, W], A_log, dt_bias)`` to use instead of the layer's (the mix graphs' copies)."""
         C = self.local_conv_dim
         Dk, Dv = self.head_k_dim, self.head_v_dim
         hk, hv = self.heads.k_heads_per_rank, self.heads.v_heads_per_rank
         # [C, 1, W] -> [C, W] as a view (honours an accelerate hook on conv1d): a select or slice here would
         # cost a zero-filled [C, W] gradient and a copy each in the backward
-        weight = conv_weight(self.conv1d).squeeze(1)
-        A_log, dt_bias = self.A_log, self.dt_bias
+        weight, A_log, dt_bias = params or (conv_weight(self.conv1d).squeeze(1), self.A_log, self.dt_bias)
         if self.sp_size > 1:   # (without SP no slice: its backward would zero-fill and copy a gradient)
             weight = weight.index_select(0, self._feature_index(weight.device)[self.sp_rank, :C])
             vh = self.heads.v_heads(self.sp_rank)

@@ -75,7 +75,8 @@ for spec in "$@"; do
     graphed)       step "$name" "$t" python3 -m pytest -q -x -rP --tb=long -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k "${K:-graphed_layers}" ;;
     graphs_rest)   step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" -k "not test_captured_forward_backward_replays_other_packings" ;;
     # host cost per layer call, eager and CUDA-graph replay, ours (auto) then fla's layer, one call
-    host_cost)     step "$name" "$t" python3 "$R/benchmarks/bench_host_cost.py" --shapes ft qwen3next --T ${HC_T:-2048 8192 32768} --same-cu --graphs --label ours --json "$OUT/host_cost.json" ;;
+    host_cost)     step "$name" "$t" python3 "$R/benchmarks/bench_host_cost.py" --shapes ${HC_SHAPES:-ft qwen3next} --T ${HC_T:-2048 8192 32768} ${HC_ARGS:---same-cu --graphs} --label ours --json "$OUT/host_cost_$(echo ${HC_SHAPES:-all} | tr " " _).json" ;;
+    mix)           step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_mix_graphs.py" ;;
     # the host time of one ft-shape layer call at 8k per Python function and package (torch.profiler's Python tracer)
     pyprof)        step "$name" "$t" python3 "$R/benchmarks/bench_host_cost.py" --shapes ft --T 8192 --same-cu --iters 10 --pyprof 5 --top 50 ;;
     pyprof_fla)    step "$name" "$t" python3 "$R/benchmarks/bench_host_cost.py" --layer fla --shapes ft --T 8192 --same-cu --iters 10 --pyprof 5 --top 50 ;;

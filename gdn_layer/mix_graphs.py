@@ -1,0 +1,358 @@
+"""The layer's token mixing (conv + gate, delta rule, gated norm) replayed from CUDA graphs, one per call signature.
+
+An eager GatedDeltaNet call launches tens of small kernels, each through Python (fla's wrappers, Triton's
+dispatch, our custom ops, autograd). At a few thousand tokens that host work takes several times the GPU's
+(docs/performance.md, "Host cost per layer call"). This module removes it from the eager call without asking
+anything of the caller: the part of the layer between its input projections and its output projection,
+
+    ``mix(mixed [B, T, C + 2 Hv], z [B, T, Hv, Dv], cu_seqlens) -> o [B, T, Hv, Dv]``
+    (causal conv + SiLU and the gate, the chunked delta rule, the gated RMSNorm),
+
+is captured once per *signature* into a forward graph (and, with autograd recording, a backward graph), and
+later calls of that signature replay them. The projections stay eager (a few cuBLAS calls).
+
+**Signature.** The layer's configuration (class and ``extra_repr``: heads, dims, backend), the norm's eps, the
+shapes, dtypes and device of the inputs and of the four parameters the mix reads (conv weight, ``A_log``,
+``dt_bias``, norm weight), which of them need gradients, and the packing's *capacity*: ``T`` and the number of
+sequences rounded up to a power of two (at least 8). ``cu_seqlens`` is padded on the device to that capacity
+(``pad_cu_seqlens``: empty segments, no host read), so every packing of the same ``T`` and a similar document
+count replays one graph. Nothing of a layer *instance* is captured: the parameters are copied into the graph's
+inputs at every call, so all layers of one configuration share one capture.
+
+**What a replay costs on top of the kernels.** Copies in of ``mixed``, ``z``, ``cu_seqlens`` and the four small
+parameters; a copy out of the output; with autograd recording, a copy out of every tensor the captured
+forward saved for its backward (recorded at capture with ``saved_tensors_hooks``) and, in the backward, the same
+copies back in plus the gradients out. The copies run on the GPU, one launch each. Since each call keeps its own
+copies, replays of one graph by many layers, in any order of forwards and backwards (activation checkpointing
+included), give each call its own eager gradients.
+
+**When a call replays** (else it runs eagerly, the same math): CUDA; graphs switched on (``enabled()``; the
+environment variable ``GDN_MIX_GRAPHS=0`` or ``set_enabled(False)`` switches them off); one rank (no SP or CP);
+no ``state``, ``output_state``, ``token_order`` or state pool; more than one token per sequence (decode steps
+have ``DecodeGraph``); no autocast; not while ``torch.compile`` traces or another CUDA graph captures; the
+layer's gate norm is the silu ``GatedRMSNorm`` without hooks; plain tensors and parameters (no DTensor or other
+subclass); the signature was seen ``CAPTURE_AFTER`` times
+before (a one-off shape never pays a capture). On a GPU where FlashQLA runs the chunk op (Hopper, bf16/fp16,
+``Dk = Dv = 128``) only up to ``FLASH_QLA_MAX_T`` tokens: a graph runs fla's chunk kernels (FlashQLA reads
+``cu_seqlens`` on the host), which are slower than FlashQLA's at long packs. At most ``MAX_SIGNATURES`` captures
+are kept per process (least recently used dropped). A capture that fails (an op that cannot be captured) marks
+its signature eager for good and warns once.
+
+**Memory.** The captures share one CUDA memory pool per device: about one eager call's temporaries and saved
+tensors per signature, held while the signature is kept (``clear()`` drops them all).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections import OrderedDict
+
+import torch
+
+from gdn_layer.derived import capturing
+from gdn_layer.kernels import gated_rms_norm
+from gdn_layer.parallel import pad_cu_seqlens
+from gdn_layer.submodules import conv_weight
+
+CAPTURE_AFTER = 2        # calls of a signature that run eagerly before it is captured
+MAX_SIGNATURES = 8       # captures kept per process
+MIN_CAPACITY = 8         # the smallest number of sequences a capture is made for
+FLASH_QLA_MAX_T = 8192   # longest pack replayed where FlashQLA would run eagerly (measured: docs/performance.md)
+WARMUP_RUNS = 2          # eager runs on the capture stream before a capture (autotuners settle, caches fill)
+
+_enabled = os.environ.get("GDN_MIX_GRAPHS", "1") != "0"
+_lock = threading.RLock()
+_kept: OrderedDict = OrderedDict()   # signature -> _Captured, or None (failed: eager for good)
+_seen: OrderedDict = OrderedDict()   # signature -> calls so far, before its capture
+_pools: dict = {}                    # device index -> graph pool handle
+_stats = {"captures": 0, "replays": 0}
+
+
+def enabled() -> bool:
+    """Whether eligible CUDA calls replay captured graphs (default True; ``GDN_MIX_GRAPHS=0`` at import: False)."""
+    return _enabled
+
+
+def set_enabled(on: bool) -> bool:
+    """Switch the graphs on or off for every layer (the captures kept stay until ``clear()``); returns the
+    previous setting. Raises TypeError: ``on`` not a bool."""
+    global _enabled
+    if not isinstance(on, bool):
+        raise TypeError(f"on must be a bool, got {type(on).__name__}")
+    before, _enabled = _enabled, on
+    return before
+
+
+def clear() -> None:
+    """Drop every capture and count, ``stats()`` included (frees their memory pool once nothing else holds it)."""
+    with _lock:
+        _stats.update(captures=0, replays=0)
+        _kept.clear()
+        _seen.clear()
+        _pools.clear()
+
+
+def stats() -> dict:
+    """``{"captures": n, "replays": n, "kept": n}`` since the last ``clear()`` (tests and benchmarks)."""
+    return dict(_stats, kept=sum(c is not None for c in _kept.values()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the mix itself: the same calls as the layer's eager path, every parameter an argument
+
+
+def mix(layer, mixed, z, cu, weight, A_log, dt_bias, norm_weight):
+    """``o [B, T, Hv, Dv]``: conv + gate, delta rule and gated norm of one call (no states)."""
+    q, k, v, g, beta, _ = layer._conv_gate(mixed, cu, None, False, params=(weight, A_log, dt_bias))
+    o, _ = layer._delta_rule(q, k, v, g, beta, cu, None, False)
+    return gated_rms_norm(o, z, norm_weight, layer.norm.eps, backend=layer.norm.backend)
+
+
+def _params(layer) -> tuple:
+    """The tensors the mix reads: conv weight ``[C, W]`` (a view of ``conv1d.weight``), ``A_log``, ``dt_bias``,
+    norm weight."""
+    return conv_weight(layer.conv1d).squeeze(1), layer.A_log, layer.dt_bias, layer.norm.weight
+
+
+def _capacity(cu) -> int:
+    n = cu.numel() - 1
+    return max(MIN_CAPACITY, 1 << max(n - 1, 0).bit_length())
+
+
+def _eligible(layer, mixed, cu, state, output_state, held) -> bool:
+    """Everything except the signature's count (module docstring)."""
+    from gdn_layer.norm import GatedRMSNorm
+    if not (_enabled and mixed.device.type in _DEVICES and state is None and output_state is False and held is None
+            and layer.sp_size == 1 and layer.cp_size == 1):
+        return False
+    if torch.is_autocast_enabled(mixed.device.type) or torch.compiler.is_compiling() or capturing(mixed):
+        return False
+    n = mixed.shape[0] if cu is None else cu.numel() - 1
+    if mixed.shape[0] * mixed.shape[1] <= n:         # decode steps
+        return False
+    norm = layer.norm
+    if type(norm) is not GatedRMSNorm or norm.gate != "silu" or norm._forward_hooks or norm._forward_pre_hooks:
+        return False
+    if getattr(layer.conv1d, "_hf_hook", None) is not None:   # accelerate offload: the weight moves per call
+        return False
+    if mixed.shape[1] > FLASH_QLA_MAX_T and _flash_qla_would_run(layer, mixed):
+        return False
+    return True
+
+
+def _flash_qla_would_run(layer, mixed) -> bool:
+    from gdn_layer.kernels.registry import backend_name
+    if backend_name(layer._backend, mixed.device) != "flash_qla":
+        return False
+    return mixed.dtype in (torch.bfloat16, torch.float16) and layer.head_k_dim == layer.head_v_dim == 128
+
+
+def _signature(layer, mixed, z, cu, params, grad: bool) -> tuple:
+    def of(t):
+        return (tuple(t.shape), t.dtype)
+    return (type(layer), layer.extra_repr(), layer.norm.eps, mixed.device, of(mixed), of(z),
+            None if cu is None else (cu.dtype, _capacity(cu)), tuple(of(p) for p in params),
+            grad, tuple(t.requires_grad for t in (mixed, z, *params)) if grad else ())
+
+
+def try_mix(layer, mixed, z, cu, state, output_state, held):
+    """The mix of this call from a replay, or None where the call runs eagerly (module docstring)."""
+    if not _eligible(layer, mixed, cu, state, output_state, held):
+        return None
+    params = _params(layer)
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (mixed, z, *params)):
+        return None                                 # DTensor (FSDP2), other tensor subclasses: op by op
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (mixed, z, *params))
+    key = _signature(layer, mixed, z, cu, params, grad)
+    with _lock:
+        captured = _kept.get(key, False)
+        if captured is None:                        # a failed capture: eager for good
+            return None
+        if captured is False:
+            count = _seen.pop(key, 0) + 1
+            _seen[key] = count
+            while len(_seen) > 4 * MAX_SIGNATURES:
+                _seen.popitem(last=False)
+            if count <= CAPTURE_AFTER:
+                return None
+            del _seen[key]
+            captured = _capture(layer, mixed, z, cu, params, grad, key)
+            if captured is None:
+                return None
+        _kept.move_to_end(key)
+    if cu is not None:
+        cu = pad_cu_seqlens(cu, captured.capacity)
+    _stats["replays"] += 1
+    inputs = (mixed, z, cu, *params)
+    if not grad:
+        with torch.no_grad():
+            return captured.forward(inputs)
+    return _Replay.apply(captured, *inputs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# capture and replay
+
+
+class _Captured:
+    """One signature's graphs and their static buffers."""
+
+    def __init__(self, capacity, static, out, saved, fwd, bwd=None, grad_out=None, grads=None):
+        self.capacity = capacity
+        self.static = static        # the graphs' inputs: mixed, z, cu (or None), weight, A_log, dt_bias, norm weight
+        self.out = out              # the forward graph's output
+        self.saved = saved          # what the forward saved for the backward, other than the inputs
+        self.fwd, self.bwd = fwd, bwd
+        self.grad_out, self.grads = grad_out, grads   # the backward graph's input and outputs (per input, or None)
+        self.loaded = None          # the call whose inputs and saved tensors the buffers now hold
+
+    def load(self, inputs, owner) -> None:
+        for s, t in zip(self.static, inputs):
+            if s is not None:
+                s.copy_(t)
+        self.loaded = owner
+
+    def forward(self, inputs, owner=None):
+        self.load(inputs, owner)
+        self.fwd.replay()
+        return self.out.clone()
+
+
+class _Replay(torch.autograd.Function):
+    """The forward and backward replays as one autograd node; the inputs' gradients are copies."""
+
+    @staticmethod
+    def forward(ctx, captured, *inputs):
+        owner = object()
+        out = captured.forward(inputs, owner)
+        saved = [t.clone() for t in captured.saved]
+        ctx.captured, ctx.owner, ctx.n_inputs = captured, owner, len(inputs)
+        ctx.save_for_backward(*(t for t in inputs if t is not None), *saved)
+        ctx.has = [t is not None for t in inputs]
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        captured = ctx.captured
+        tensors = list(ctx.saved_tensors)
+        inputs = [tensors.pop(0) if has else None for has in ctx.has]
+        if captured.loaded is not ctx.owner:          # another call replayed since: its values are in the buffers
+            captured.load(inputs, ctx.owner)
+            for buffer, value in zip(captured.saved, tensors):
+                buffer.copy_(value)
+        captured.grad_out.copy_(grad)
+        captured.bwd.replay()
+        return (None, *(None if g is None else g.clone() for g in captured.grads))
+
+
+def _pool(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pools:
+        _pools[index] = torch.cuda.graph_pool_handle()
+    return _pools[index]
+
+
+def _capture(layer, mixed, z, cu, params, grad, key):
+    """Capture ``key``'s graphs from this call's inputs (copies of them), keep and return them; None (and a
+    warning, once per signature) where the capture fails."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad() if grad else torch.no_grad():
+            captured = _record(layer, mixed, z, cu, params, grad)
+    except Exception as error:  # noqa: BLE001 - any op that cannot be captured: this signature runs eagerly
+        _kept[key] = None
+        warnings.warn(f"GatedDeltaNet: the token mixing of this call signature runs eagerly; its CUDA graph "
+                      f"capture failed ({type(error).__name__}: {error})", RuntimeWarning, stacklevel=4)
+        return None
+    _kept[key] = captured
+    _stats["captures"] += 1
+    while sum(c is not None for c in _kept.values()) > MAX_SIGNATURES:
+        oldest = next(k for k, c in _kept.items() if c is not None)
+        del _kept[oldest]
+    return captured
+
+
+class _CudaCapture:
+    """Makes the graphs: ``forward(run)`` captures ``run()`` (recording what autograd saves) and returns
+    ``(graph, out, saved)``; ``backward(out, leaves, grad_out)`` captures the gradients of ``leaves`` and
+    returns ``(graph, grads)``. The CPU tests put a stand-in with the same semantics in ``_capturer``."""
+
+    def __init__(self, device: torch.device):
+        self.pool = _pool(device)
+        self.stream = torch.cuda.Stream(device=device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.device = device
+
+    def warm(self, run, leaves, grad: bool) -> None:
+        from gdn_layer.kernels.flash_qla_backend import as_in_capture
+        with torch.cuda.stream(self.stream), as_in_capture():
+            for _ in range(WARMUP_RUNS):
+                out = run()
+                if grad:
+                    torch.autograd.grad(out, leaves, torch.zeros_like(out), allow_unused=True)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _graph(self, graph):
+        return torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local")
+
+    def forward(self, run):
+        graph, saved = torch.cuda.CUDAGraph(), []
+        with self._graph(graph), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                                         lambda t: t):
+            out = run()
+        return graph, out, saved
+
+    def backward(self, out, leaves, grad_out):
+        graph = torch.cuda.CUDAGraph()
+        with self._graph(graph):
+            grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+        return graph, grads
+
+
+_capturer = _CudaCapture
+_DEVICES = ("cuda",)   # the CPU tests add "cpu" (with the stand-in capturer)
+
+
+def _record(layer, mixed, z, cu, params, grad):
+    capacity = None if cu is None else _capacity(cu)
+    inputs = (mixed, z, None if cu is None else pad_cu_seqlens(cu, capacity), *params)
+    static = [None if t is None else t.detach().clone() for t in inputs]
+    differentiable = [i for i, t in enumerate(inputs) if grad and t is not None and t.requires_grad]
+    for i in differentiable:
+        static[i].requires_grad_(True)
+    leaves = [static[i] for i in differentiable]
+
+    def run():
+        return mix(layer, static[0], static[1], static[2], *static[3:])
+
+    capture = _capturer(mixed.device)
+    capture.warm(run, leaves, grad)
+    fwd, out, saved = capture.forward(run)
+    if not grad:
+        return _Captured(capacity, static, out, [], fwd)
+    grad_out = torch.zeros_like(out)
+    bwd, found = capture.backward(out, leaves, grad_out)
+    grads = [None] * len(inputs)
+    for i, g in zip(differentiable, found):
+        grads[i] = g
+    return _Captured(capacity, static, out.detach(), _internal(saved, static), fwd, bwd, grad_out, grads)
+
+
+def _internal(saved, static) -> list:
+    """The saved tensors that are not (views of) the graphs' inputs, each once: what a call must keep a copy of."""
+    inputs = {t.untyped_storage().data_ptr() for t in static if t is not None}
+    kept, seen = [], set()
+    for t in saved:
+        t = t.detach()
+        if t.untyped_storage().data_ptr() in inputs:
+            continue
+        k = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if k not in seen:
+            seen.add(k)
+            kept.append(t)
+    return kept
+
+
+__all__ = ["enabled", "set_enabled", "clear", "stats", "try_mix", "mix", "CAPTURE_AFTER", "MAX_SIGNATURES",
+           "FLASH_QLA_MAX_T"]

@@ -1,0 +1,311 @@
+"""The layer's token mixing replayed from per-signature graphs (gdn_layer/mix_graphs.py), on CPU.
+
+The capture is a stand-in with a real graph's semantics for what the module relies on: a "replay" of the forward
+recomputes from the static inputs and writes the static output and every buffer the capture saved for the
+backward (as the real forward graph rewrites its memory); a "replay" of the backward reads the saved buffers as
+they are then (the unpack hook hands autograd the buffers, not fresh values) and writes the static gradients.
+So a call whose saved tensors were not kept and put back gets another call's gradients, as on the GPU.
+
+Oracle: the same layer with the graphs switched off (its eager path; that path's own oracle is the fp64
+token-by-token recurrence in test_layer.py), fp64, to 1e-12.
+"""
+import warnings
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import gdn_layer.mix_graphs as mg
+from gdn_layer import GatedDeltaNet
+
+
+class StandInCapture:
+    """``gdn_layer.mix_graphs._CudaCapture`` on the CPU (module docstring)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def warm(self, run, leaves, grad):
+        out = run()
+        if grad:
+            torch.autograd.grad(out, leaves, torch.zeros_like(out), allow_unused=True)
+
+    def forward(self, run):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = run()
+        self.run, self.saved = run, saved
+        grad = torch.is_grad_enabled()
+
+        class Graph:
+            def replay(_):
+                fresh = []
+                with torch.set_grad_enabled(grad), torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: fresh.append(t) or t, lambda t: t):
+                    o = run()
+                with torch.no_grad():
+                    out.copy_(o)
+                    for buffer, value in zip(saved, fresh):
+                        buffer.copy_(value)
+        return Graph(), out, saved
+
+    def backward(self, out, leaves, grad_out):
+        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+        run, saved = self.run, self.saved
+
+        class Graph:
+            def replay(_):
+                count = iter(range(len(saved)))
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: next(count), lambda i: saved[i]):
+                    o = run()
+                new = torch.autograd.grad(o, leaves, grad_out, allow_unused=True)
+                with torch.no_grad():
+                    for g, n in zip(grads, new):
+                        if g is not None:
+                            g.copy_(n)
+        return Graph(), grads
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    monkeypatch.setattr(mg, "_capturer", StandInCapture)
+    monkeypatch.setattr(mg, "_DEVICES", ("cuda", "cpu"))
+    before = mg.set_enabled(True)
+    mg.clear()
+    yield mg
+    mg.clear()
+    mg.set_enabled(before)
+
+
+def layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch", dtype=torch.float64, **kw)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))   # norm weight, dt_bias off their constant init
+    return m
+
+
+def pack(T=40, cuts=(0, 7, 7, 23, 40), seed=1):
+    torch.manual_seed(seed)
+    return torch.randn(1, T, 32, dtype=torch.float64), torch.tensor(cuts, dtype=torch.int32)
+
+
+def run(m, x, cu, w=None):
+    x = x.clone().requires_grad_(True)
+    y = m(x, cu_seqlens=cu)
+    w = torch.randn_like(y) if w is None else w
+    (y * w).sum().backward()
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+
+def eager(m, x, cu, w):
+    before = mg.set_enabled(False)
+    try:
+        m.zero_grad(set_to_none=True)
+        return run(m, x, cu, w)
+    finally:
+        mg.set_enabled(before)
+        m.zero_grad(set_to_none=True)
+
+
+def assert_same(a, b):
+    ya, gxa, gpa = a
+    yb, gxb, gpb = b
+    assert torch.allclose(ya, yb, atol=1e-12, rtol=0)
+    assert torch.allclose(gxa, gxb, atol=1e-12, rtol=0)
+    assert gpa.keys() == gpb.keys()
+    for n in gpa:
+        assert torch.allclose(gpa[n], gpb[n], atol=1e-12, rtol=0), n
+
+
+def test_the_third_call_of_a_signature_replays_with_eager_results(graphs):
+    m = layer()
+    x, cu = pack()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    want = eager(m, x, cu, w)
+    for call in range(4):
+        m.zero_grad(set_to_none=True)
+        got = run(m, x, cu, w)
+        assert graphs.stats()["replays"] == max(0, call - 1), call   # calls 0, 1 eager; 2 captures and replays
+        assert_same(got, want)
+    assert graphs.stats()["captures"] == 1
+
+
+def test_new_packings_of_one_capacity_replay_one_capture_with_their_own_results(graphs):
+    m = layer()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    packs = [pack(cuts=c, seed=s) for s, c in enumerate([(0, 40), (0, 3, 40), (0, 10, 20, 30, 40),
+                                                          (0, 1, 2, 3, 4, 5, 6, 40), (0, 0, 40, 40)])]
+    for x, cu in packs[:2]:
+        run(m, x, cu, w)
+    for x, cu in packs:
+        want = eager(m, x, cu, w)
+        m.zero_grad(set_to_none=True)
+        assert_same(run(m, x, cu, w), want)
+    assert graphs.stats() == {"captures": 1, "replays": 5, "kept": 1}
+
+
+def test_layers_sharing_a_capture_get_their_own_gradients_in_any_order(graphs):
+    a, b = layer(0), layer(1)
+    x, cu = pack()
+    for _ in range(3):
+        run(a, x, cu)
+    a.zero_grad(set_to_none=True)
+    assert graphs.stats()["captures"] == 1
+
+    def model(x):
+        return b(a(x, cu_seqlens=cu), cu_seqlens=cu)
+
+    def step():
+        h = x.clone().requires_grad_(True)
+        y1 = model(h)
+        y2 = a(h * 0.5, cu_seqlens=cu)   # a third forward, of a, before any backward
+        (y1.pow(2).sum() + (y2 * 3).sum()).backward()
+        return h.grad, {n: p.grad.clone() for n, p in [*a.named_parameters("a"), *b.named_parameters("b")]}
+
+    before = graphs.stats()["replays"]
+    got = step()
+    assert graphs.stats()["replays"] == before + 3
+    for m in (a, b):
+        m.zero_grad(set_to_none=True)
+    graphs.set_enabled(False)
+    want = step()
+    assert torch.allclose(got[0], want[0], atol=1e-12, rtol=0)
+    for n in want[1]:
+        assert torch.allclose(got[1][n], want[1][n], atol=1e-12, rtol=0), n
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_replays_like_eager(graphs, reentrant):
+    a, b = layer(0), layer(1)
+    x, cu = pack()
+    for _ in range(3):
+        run(a, x, cu)
+    a.zero_grad(set_to_none=True)
+
+    def step():
+        h = x.clone().requires_grad_(True)
+        y = checkpoint(lambda t: b(a(t, cu_seqlens=cu), cu_seqlens=cu), h, use_reentrant=reentrant)
+        y.pow(2).sum().backward()
+        return h.grad, [p.grad.clone() for p in [*a.parameters(), *b.parameters()]]
+
+    before = graphs.stats()["replays"]
+    got = step()
+    # two forwards and their recomputation; reentrant: the first forwards run without grad, a signature of its
+    # own, still eager at its first sightings
+    assert graphs.stats()["replays"] == before + (2 if reentrant else 4)
+    for m in (a, b):
+        m.zero_grad(set_to_none=True)
+    graphs.set_enabled(False)
+    want = step()
+    assert torch.allclose(got[0], want[0], atol=1e-12, rtol=0)
+    for g, h in zip(got[1], want[1]):
+        assert torch.allclose(g, h, atol=1e-12, rtol=0)
+
+
+def test_frozen_parameters_and_no_grad_calls_have_their_own_captures(graphs):
+    m = layer()
+    x, cu = pack()
+    with torch.no_grad():
+        graphs.set_enabled(False)
+        want = m(x, cu_seqlens=cu)
+        graphs.set_enabled(True)
+        for _ in range(3):
+            got = m(x, cu_seqlens=cu)
+            assert not got.requires_grad
+    assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    assert graphs.stats()["replays"] == 1
+    for name in ("A_log", "dt_bias", "norm.weight"):   # LoRA-style: the mix's parameters frozen
+        m.get_parameter(name).requires_grad_(False)
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    want = eager(m, x, cu, w)
+    for _ in range(3):
+        m.zero_grad(set_to_none=True)
+        got = run(m, x, cu, w)
+    assert graphs.stats()["captures"] == 2
+    assert got[2].keys() == want[2].keys() and "A_log" not in got[2]
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("change", ["T", "N_capacity", "dtype", "config"])
+def test_another_signature_takes_another_capture(graphs, change):
+    m = layer()
+    x, cu = pack()
+    for _ in range(3):
+        run(m, x, cu)
+    if change == "T":
+        x, cu = pack(T=41, cuts=(0, 7, 41))
+    elif change == "N_capacity":
+        cu = torch.tensor([0] + list(range(4, 40, 4)) + [40], dtype=torch.int32)   # 10 sequences: capacity 16
+    elif change == "dtype":
+        m, x = m.float(), x.float()
+    else:
+        m = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch", dtype=torch.float64, norm_eps=1e-5)
+    w = torch.randn(1, x.shape[1], 32, dtype=x.dtype)
+    want = eager(m, x, cu, w)
+    for _ in range(3):
+        m.zero_grad(set_to_none=True)
+        got = run(m, x, cu, w)
+    assert graphs.stats()["captures"] == 2
+    if change == "dtype":
+        assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+    else:
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("case", ["state", "output_state", "decode", "disabled", "autocast"])
+def test_calls_outside_the_graphs_run_eagerly(graphs, case):
+    m = layer()
+    x, cu = pack()
+    for _ in range(3):
+        run(m, x, cu)
+    before = graphs.stats()["replays"]
+    if case == "state":
+        out = m(x, cu_seqlens=cu, state=m(x, cu_seqlens=cu, output_state=True)[1])
+    elif case == "output_state":
+        out = m(x, cu_seqlens=cu, output_state=True)[0]
+    elif case == "decode":
+        out = m(x[:, :4], cu_seqlens=torch.tensor([0, 1, 2, 3, 4]))
+    elif case == "disabled":
+        graphs.set_enabled(False)
+        out = m(x, cu_seqlens=cu)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x, cu_seqlens=cu)
+    assert out is not None and graphs.stats()["replays"] == before
+
+
+def test_a_failed_capture_warns_once_and_its_signature_runs_eagerly(graphs, monkeypatch):
+    class Failing(StandInCapture):
+        def forward(self, run):
+            raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(mg, "_capturer", Failing)
+    m = layer()
+    x, cu = pack()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    want = eager(m, x, cu, w)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            m.zero_grad(set_to_none=True)
+            got = run(m, x, cu, w)
+    assert [str(c.message).count("capture failed") for c in caught] == [1]
+    assert graphs.stats()["replays"] == 0
+    assert_same(got, want)
+
+
+def test_at_most_max_signatures_are_kept(graphs, monkeypatch):
+    monkeypatch.setattr(mg, "MAX_SIGNATURES", 2)
+    m = layer()
+    for T in (20, 21, 22):
+        x, cu = pack(T=T, cuts=(0, 5, T))
+        for _ in range(3):
+            run(m, x, cu)
+    assert graphs.stats()["captures"] == 3 and graphs.stats()["kept"] == 2
+
+
+def test_set_enabled_takes_a_bool():
+    with pytest.raises(TypeError, match="on must be a bool"):
+        mg.set_enabled(1)
