@@ -115,24 +115,47 @@ def _params(layer) -> tuple:
     return conv_weight(layer.conv1d).squeeze(1), layer.A_log, layer.dt_bias, layer.norm.weight
 
 
-def _capacity(cu) -> int:
-    n = cu.numel() - 1
+def _capacity(n: int) -> int:
+    """The number of sequences a capture for ``n`` is made for: a power of two, at least ``MIN_CAPACITY``."""
     return max(MIN_CAPACITY, 1 << max(n - 1, 0).bit_length())
 
 
-def _eligible(layer, mixed, cu, state, output_state, held) -> bool:
-    """Everything except the signature's count (module docstring)."""
+def _plain_norm(norm) -> bool:
+    """The silu ``GatedRMSNorm`` as the class defines it: the replay computes it without calling the module, so
+    a hook (the module's or a global one) or a ``forward`` replaced on the instance would be skipped."""
+    from torch.nn.modules import module as nn_module
+
     from gdn_layer.norm import GatedRMSNorm
+    if type(norm) is not GatedRMSNorm or norm.gate != "silu" or "forward" in norm.__dict__:
+        return False
+    own = (norm._forward_hooks, norm._forward_pre_hooks, norm._backward_hooks, norm._backward_pre_hooks)
+    everyone = [getattr(nn_module, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")]
+    return not any(own) and not any(everyone)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether autograd packs saved tensors through hooks now (activation checkpointing, ``save_on_cpu``,
+    offloading): such a caller may compare what a call saves with what its recomputation saves, and a capture
+    would run the caller's hooks over the capture's own tensors."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except (AttributeError, RuntimeError):   # a torch without this (private) query: assume hooks, run op by op
+        return True
+
+
+def _eligible(layer, mixed, n: int, state, output_state, held) -> bool:
+    """Everything except the signature's count (module docstring); ``n`` sequences in ``mixed [B, T, ...]``."""
     if not (_enabled and mixed.device.type in _DEVICES and state is None and output_state is False and held is None
             and layer.sp_size == 1 and layer.cp_size == 1):
         return False
     if torch.is_autocast_enabled(mixed.device.type) or torch.compiler.is_compiling() or capturing(mixed):
         return False
-    n = mixed.shape[0] if cu is None else cu.numel() - 1
-    if mixed.shape[0] * mixed.shape[1] <= n:         # decode steps
+    # more tokens than the capacity's sequences: no call inside the graph may take the decode path, whose
+    # choice comes from the (padded) shapes
+    if mixed.shape[0] * mixed.shape[1] <= _capacity(n):
         return False
-    norm = layer.norm
-    if type(norm) is not GatedRMSNorm or norm.gate != "silu" or norm._forward_hooks or norm._forward_pre_hooks:
+    if not _plain_norm(layer.norm) or _saved_tensor_hooks_active():
         return False
     if getattr(layer.conv1d, "_hf_hook", None) is not None:   # accelerate offload: the weight moves per call
         return False
@@ -148,23 +171,43 @@ def _flash_qla_would_run(layer, mixed) -> bool:
     return mixed.dtype in (torch.bfloat16, torch.float16) and layer.head_k_dim == layer.head_v_dim == 128
 
 
-def _signature(layer, mixed, z, cu, params, grad: bool) -> tuple:
+def _signature(layer, mixed, z, n: int, cu_dtype, params, grad: bool) -> tuple:
     def of(t):
         return (tuple(t.shape), t.dtype)
-    return (type(layer), layer.extra_repr(), layer.norm.eps, mixed.device, of(mixed), of(z),
-            None if cu is None else (cu.dtype, _capacity(cu)), tuple(of(p) for p in params),
-            grad, tuple(t.requires_grad for t in (mixed, z, *params)) if grad else ())
+    return (type(layer), layer.extra_repr(), layer.norm.eps, mixed.device, of(mixed), of(z), cu_dtype, _capacity(n),
+            tuple(of(p) for p in params), grad, tuple(t.requires_grad for t in (mixed, z, *params)) if grad else ())
+
+
+_ROWS_CU: dict = {}
+
+
+def _rows_cu(B: int, T: int, device) -> torch.Tensor:
+    """``[0, T, ..., B T]``: ``B`` rows as one pack (copied into the graph's own ``cu_seqlens`` at each call, so
+    the graph never reads this tensor, which may be dropped)."""
+    key = (B, T, str(device))
+    cu = _ROWS_CU.get(key)
+    if cu is None:
+        cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=device)
+        while len(_ROWS_CU) >= 16:
+            _ROWS_CU.pop(next(iter(_ROWS_CU)))
+        _ROWS_CU[key] = cu
+    return cu
 
 
 def try_mix(layer, mixed, z, cu, state, output_state, held):
-    """The mix of this call from a replay, or None where the call runs eagerly (module docstring)."""
-    if not _eligible(layer, mixed, cu, state, output_state, held):
+    """The mix of this call from a replay, or None where the call runs eagerly (module docstring). ``B`` rows
+    without ``cu_seqlens`` run as one pack of ``B`` sequences."""
+    B, T = mixed.shape[:2]
+    n = B if cu is None else cu.numel() - 1
+    if not _eligible(layer, mixed, n, state, output_state, held):
         return None
     params = _params(layer)
     if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (mixed, z, *params)):
         return None                                 # DTensor (FSDP2), other tensor subclasses: op by op
+    if cu is None:
+        mixed, z, cu = mixed.reshape(1, B * T, -1), z.reshape(1, B * T, *z.shape[2:]), _rows_cu(B, T, mixed.device)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (mixed, z, *params))
-    key = _signature(layer, mixed, z, cu, params, grad)
+    key = _signature(layer, mixed, z, n, cu.dtype, params, grad)
     with _lock:
         captured = _kept.get(key, False)
         if captured is None:                        # a failed capture: eager for good
@@ -174,25 +217,28 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
             _seen[key] = count
             while len(_seen) > 4 * MAX_SIGNATURES:
                 _seen.popitem(last=False)
-            if count <= CAPTURE_AFTER:
+            if count <= CAPTURE_AFTER or torch._C._current_graph_task_id() != -1:   # (no capture inside a backward)
                 return None
             del _seen[key]
             captured = _capture(layer, mixed, z, cu, params, grad, key)
             if captured is None:
                 return None
         _kept.move_to_end(key)
-    if cu is not None:
-        cu = pad_cu_seqlens(cu, captured.capacity)
-    _stats["replays"] += 1
-    inputs = (mixed, z, cu, *params)
+        _stats["replays"] += 1
+    inputs = (mixed, z, pad_cu_seqlens(cu, captured.capacity), *params)
     if not grad:
         with torch.no_grad():
-            return captured.forward(inputs)
-    return _Replay.apply(captured, *inputs)
+            o = captured.forward(inputs)[0]
+    else:
+        o = _Replay.apply(captured, *inputs)
+    return o.view(B, T, *o.shape[2:])
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # capture and replay
+
+_replay_lock = threading.RLock()   # one replay at a time: the captures share one memory pool
+_replays = [0]                     # replays of any capture: what a pending backward checks its saved tensors by
 
 
 class _Captured:
@@ -200,23 +246,52 @@ class _Captured:
 
     def __init__(self, capacity, static, out, saved, fwd, bwd=None, grad_out=None, grads=None):
         self.capacity = capacity
-        self.static = static        # the graphs' inputs: mixed, z, cu (or None), weight, A_log, dt_bias, norm weight
+        self.static = static        # the graphs' inputs: mixed, z, cu, weight, A_log, dt_bias, norm weight
         self.out = out              # the forward graph's output
         self.saved = saved          # what the forward saved for the backward, other than the inputs
         self.fwd, self.bwd = fwd, bwd
         self.grad_out, self.grads = grad_out, grads   # the backward graph's input and outputs (per input, or None)
-        self.loaded = None          # the call whose inputs and saved tensors the buffers now hold
+        self.loaded = None          # the call whose inputs the static buffers now hold
+        self.cuda = static[0].device.type == "cuda"
 
     def load(self, inputs, owner) -> None:
         for s, t in zip(self.static, inputs):
-            if s is not None:
-                s.copy_(t)
+            s.copy_(t)
         self.loaded = owner
 
+    def replay(self, graph) -> None:
+        graph.replay()
+        _replays[0] += 1
+
+    def begin(self) -> None:
+        if self.cuda:   # a replay enqueued on another stream must finish before these copies start
+            torch.cuda.current_stream(self.static[0].device).wait_event(_last_event(self.static[0].device))
+
+    def end(self) -> None:
+        if self.cuda:
+            _last_event(self.static[0].device).record()
+
     def forward(self, inputs, owner=None):
-        self.load(inputs, owner)
-        self.fwd.replay()
-        return self.out.clone()
+        with _replay_lock:
+            self.begin()
+            self.load(inputs, owner)
+            self.replay(self.fwd)
+            out = self.out.clone()
+            saved = [t.clone() for t in self.saved] if owner is not None else None
+            stamp = _replays[0]
+            self.end()
+        return out, saved, stamp
+
+
+_events: dict = {}
+
+
+def _last_event(device) -> "torch.cuda.Event":
+    """Per device: recorded after the last replay's copies out (the next replay's stream waits on it)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _events:
+        _events[index] = torch.cuda.Event()
+    return _events[index]
 
 
 class _Replay(torch.autograd.Function):
@@ -225,26 +300,29 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, captured, *inputs):
         owner = object()
-        out = captured.forward(inputs, owner)
-        saved = [t.clone() for t in captured.saved]
-        ctx.captured, ctx.owner, ctx.n_inputs = captured, owner, len(inputs)
-        ctx.save_for_backward(*(t for t in inputs if t is not None), *saved)
-        ctx.has = [t is not None for t in inputs]
+        out, saved, stamp = captured.forward(inputs, owner)
+        ctx.captured, ctx.owner, ctx.stamp = captured, owner, stamp
+        ctx.save_for_backward(*inputs, *saved)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         captured = ctx.captured
-        tensors = list(ctx.saved_tensors)
-        inputs = [tensors.pop(0) if has else None for has in ctx.has]
-        if captured.loaded is not ctx.owner:          # another call replayed since: its values are in the buffers
-            captured.load(inputs, ctx.owner)
-            for buffer, value in zip(captured.saved, tensors):
-                buffer.copy_(value)
-        captured.grad_out.copy_(grad)
-        captured.bwd.replay()
-        return (None, *(None if g is None else g.clone() for g in captured.grads))
+        tensors = ctx.saved_tensors
+        inputs, saved = tensors[:len(captured.static)], tensors[len(captured.static):]
+        with _replay_lock:
+            captured.begin()
+            if captured.loaded is not ctx.owner:      # another call of this signature loaded its inputs since
+                captured.load(inputs, ctx.owner)
+            if captured.loaded is not ctx.owner or _replays[0] != ctx.stamp:   # any replay since may have
+                for buffer, value in zip(captured.saved, saved):               # overwritten them (shared pool)
+                    buffer.copy_(value)
+            captured.grad_out.copy_(grad)
+            captured.replay(captured.bwd)
+            grads = [None if g is None else g.clone() for g in captured.grads]
+            captured.end()
+        return (None, *grads)
 
 
 def _pool(device: torch.device):
@@ -258,10 +336,13 @@ def _capture(layer, mixed, z, cu, params, grad, key):
     """Capture ``key``'s graphs from this call's inputs (copies of them), keep and return them; None (and a
     warning, once per signature) where the capture fails."""
     try:
-        with torch.inference_mode(False), torch.enable_grad() if grad else torch.no_grad():
+        with _replay_lock, torch.inference_mode(False), torch.enable_grad() if grad else torch.no_grad():
             captured = _record(layer, mixed, z, cu, params, grad)
     except Exception as error:  # noqa: BLE001 - any op that cannot be captured: this signature runs eagerly
         _kept[key] = None
+        failed = [k for k, c in _kept.items() if c is None]
+        for k in failed[:-4 * MAX_SIGNATURES]:
+            del _kept[k]
         warnings.warn(f"GatedDeltaNet: the token mixing of this call signature runs eagerly; its CUDA graph "
                       f"capture failed ({type(error).__name__}: {error})", RuntimeWarning, stacklevel=4)
         return None
@@ -274,11 +355,13 @@ def _capture(layer, mixed, z, cu, params, grad, key):
 
 
 class _CudaCapture:
-    """Makes the graphs: ``forward(run)`` captures ``run()`` (recording what autograd saves) and returns
-    ``(graph, out, saved)``; ``backward(out, leaves, grad_out)`` captures the gradients of ``leaves`` and
-    returns ``(graph, grads)``. The CPU tests put a stand-in with the same semantics in ``_capturer``."""
+    """Makes the graphs of a function of the tensors ``static`` (the graphs' inputs): ``forward(run)`` captures
+    ``run()`` (recording what autograd saves) and returns ``(graph, out, saved)``; ``backward(out, leaves,
+    grad_out)`` captures the gradients of ``leaves`` and returns ``(graph, grads)``. The CPU tests put a
+    stand-in with the same semantics in ``_capturer``."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, static: list):
+        device = static[0].device
         self.pool = _pool(device)
         self.stream = torch.cuda.Stream(device=device)
         self.stream.wait_stream(torch.cuda.current_stream(device))
@@ -315,18 +398,18 @@ _DEVICES = ("cuda",)   # the CPU tests add "cpu" (with the stand-in capturer)
 
 
 def _record(layer, mixed, z, cu, params, grad):
-    capacity = None if cu is None else _capacity(cu)
-    inputs = (mixed, z, None if cu is None else pad_cu_seqlens(cu, capacity), *params)
-    static = [None if t is None else t.detach().clone() for t in inputs]
-    differentiable = [i for i, t in enumerate(inputs) if grad and t is not None and t.requires_grad]
+    capacity = _capacity(cu.numel() - 1)
+    inputs = (mixed, z, pad_cu_seqlens(cu, capacity), *params)
+    static = [t.detach().clone() for t in inputs]
+    differentiable = [i for i, t in enumerate(inputs) if grad and t.requires_grad]
     for i in differentiable:
         static[i].requires_grad_(True)
     leaves = [static[i] for i in differentiable]
 
     def run():
-        return mix(layer, static[0], static[1], static[2], *static[3:])
+        return mix(layer, *static)
 
-    capture = _capturer(mixed.device)
+    capture = _capturer(static)
     capture.warm(run, leaves, grad)
     fwd, out, saved = capture.forward(run)
     if not grad:

@@ -4,7 +4,10 @@ The capture is a stand-in with a real graph's semantics for what the module reli
 recomputes from the static inputs and writes the static output and every buffer the capture saved for the
 backward (as the real forward graph rewrites its memory); a "replay" of the backward reads the saved buffers as
 they are then (the unpack hook hands autograd the buffers, not fresh values) and writes the static gradients.
-So a call whose saved tensors were not kept and put back gets another call's gradients, as on the GPU.
+So a call whose saved tensors were not kept and put back gets another call's gradients, as on the GPU. It also
+models the memory pool the real captures share: what a capture keeps (its saved buffers) may lie in memory an
+earlier capture used for temporaries, so every replay of capture i fills the saved buffers of the captures made
+after it with NaN.
 
 Oracle: the same layer with the graphs switched off (its eager path; that path's own oracle is the fp64
 token-by-token recurrence in test_layer.py), fp64, to 1e-12.
@@ -21,9 +24,20 @@ from gdn_layer import GatedDeltaNet
 
 class StandInCapture:
     """``gdn_layer.mix_graphs._CudaCapture`` on the CPU (module docstring)."""
+    kept = []   # per capture, in capture order: its saved buffers (the fixture empties it)
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, static):
+        self.inputs = {t.untyped_storage().data_ptr() for t in static}   # allocated before the capture
+
+    @classmethod
+    def clobber_after(cls, saved):
+        """A replay of the capture that saved ``saved`` may overwrite what every later capture keeps."""
+        later = next((i for i, k in enumerate(cls.kept) if k is saved), len(cls.kept)) + 1   # (by identity)
+        with torch.no_grad():
+            for buffers in cls.kept[later:]:
+                for b in buffers:
+                    if b.is_floating_point():
+                        b.fill_(float("nan"))
 
     def warm(self, run, leaves, grad):
         out = run()
@@ -35,6 +49,8 @@ class StandInCapture:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             out = run()
         self.run, self.saved = run, saved
+        mine = self.mine = [t for t in saved if t.untyped_storage().data_ptr() not in self.inputs]
+        StandInCapture.kept.append(mine)
         grad = torch.is_grad_enabled()
 
         class Graph:
@@ -47,11 +63,12 @@ class StandInCapture:
                     out.copy_(o)
                     for buffer, value in zip(saved, fresh):
                         buffer.copy_(value)
+                StandInCapture.clobber_after(mine)
         return Graph(), out, saved
 
     def backward(self, out, leaves, grad_out):
         grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-        run, saved = self.run, self.saved
+        run, saved, mine = self.run, self.saved, self.mine
 
         class Graph:
             def replay(_):
@@ -64,12 +81,14 @@ class StandInCapture:
                     for g, n in zip(grads, new):
                         if g is not None:
                             g.copy_(n)
+                StandInCapture.clobber_after(mine)
         return Graph(), grads
 
 
 @pytest.fixture
 def graphs(monkeypatch):
     monkeypatch.setattr(mg, "_capturer", StandInCapture)
+    StandInCapture.kept.clear()
     monkeypatch.setattr(mg, "_DEVICES", ("cuda", "cpu"))
     before = mg.set_enabled(True)
     mg.clear()
@@ -193,9 +212,9 @@ def test_activation_checkpointing_replays_like_eager(graphs, reentrant):
 
     before = graphs.stats()["replays"]
     got = step()
-    # two forwards and their recomputation; reentrant: the first forwards run without grad, a signature of its
-    # own, still eager at its first sightings
-    assert graphs.stats()["replays"] == before + (2 if reentrant else 4)
+    # reentrant: the first forwards run without grad (a signature of its own, still op by op at its first
+    # sightings), the recomputation replays; non-reentrant: under checkpoint's saved-tensor hooks, op by op
+    assert graphs.stats()["replays"] == before + (2 if reentrant else 0)
     for m in (a, b):
         m.zero_grad(set_to_none=True)
     graphs.set_enabled(False)
@@ -309,3 +328,130 @@ def test_at_most_max_signatures_are_kept(graphs, monkeypatch):
 def test_set_enabled_takes_a_bool():
     with pytest.raises(TypeError, match="on must be a bool"):
         mg.set_enabled(1)
+
+
+def test_checkpointed_layers_from_the_first_step_train_like_eager(graphs):
+    """Non-reentrant checkpointing compares what a forward saved with what its recomputation saves: under its
+    hooks every call runs op by op, even when the recomputation is a signature's third sighting."""
+    layers = [layer(0), layer(1)]
+    x, cu = pack()
+
+    def step():
+        h = x.clone().requires_grad_(True)
+        y = h
+        for m in layers:
+            y = checkpoint(m, y, cu, use_reentrant=False)
+        y.pow(2).sum().backward()
+        out = [h.grad] + [p.grad.clone() for m in layers for p in m.parameters()]
+        for m in layers:
+            m.zero_grad(set_to_none=True)
+        return out
+
+    got = [step() for _ in range(2)]
+    graphs.set_enabled(False)
+    want = step()
+    for g in got:
+        for a, b in zip(g, want):
+            assert torch.allclose(a, b, atol=1e-12, rtol=0)
+
+
+def test_a_backward_after_another_signatures_replay_reads_its_own_saved_tensors(graphs):
+    """The captures share one memory pool (modelled by the stand-in: NaN): a call's saved tensors are put back
+    when any replay ran since its forward."""
+    m = layer()
+    xa, cua = pack(T=40)
+    xb, cub = pack(T=48, cuts=(0, 20, 48))
+    for x, cu in ((xa, cua), (xb, cub)):
+        for _ in range(3):
+            run(m, x, cu)
+    m.zero_grad(set_to_none=True)
+
+    def step():
+        yb = m(xb, cu_seqlens=cub)
+        ya = m(xa, cu_seqlens=cua)               # a replay of the capture made before B's
+        (yb.pow(2).sum() + ya.pow(2).sum()).backward()
+        out = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad(set_to_none=True)
+        return out
+
+    got = step()
+    graphs.set_enabled(False)
+    want = step()
+    for n in want:
+        assert torch.allclose(got[n], want[n], atol=1e-12, rtol=0), n
+
+
+def test_rows_without_cu_seqlens_replay_as_one_pack(graphs):
+    m = layer()
+    torch.manual_seed(4)
+    x = torch.randn(3, 20, 32, dtype=torch.float64)
+    w = torch.randn(3, 20, 32, dtype=torch.float64)
+    want = eager(m, x, None, w)
+    for _ in range(3):
+        m.zero_grad(set_to_none=True)
+        got = run(m, x, None, w)
+    assert graphs.stats()["replays"] == 1
+    assert_same(got, want)
+
+
+def test_packs_with_no_more_tokens_than_the_capacity_run_op_by_op(graphs):
+    """Padded to 8 sequences, a pack of 6 tokens would take the decode path inside the graph."""
+    m = layer()
+    x, cu = pack(T=8, cuts=(0, 3, 8))
+    for _ in range(4):
+        run(m, x, cu)
+    assert graphs.stats() == {"captures": 0, "replays": 0, "kept": 0}
+
+
+@pytest.mark.parametrize("hook", ["backward", "backward_pre", "forward_override", "global_forward"])
+def test_a_hooked_or_overridden_norm_runs_op_by_op(graphs, hook):
+    m = layer()
+    x, cu = pack()
+    handle = None
+    if hook == "backward":
+        handle = m.norm.register_full_backward_hook(lambda mod, gi, go: tuple(g * 0.5 for g in gi))
+    elif hook == "backward_pre":
+        handle = m.norm.register_full_backward_pre_hook(lambda mod, go: tuple(g * 0.5 for g in go))
+    elif hook == "forward_override":
+        original = m.norm.forward
+        m.norm.forward = lambda a, z: original(a, z) * 0.7
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: out * 0.7 if mod is m.norm else None)
+    try:
+        w = torch.randn(1, 40, 32, dtype=torch.float64)
+        want = eager(m, x, cu, w)
+        for _ in range(3):
+            m.zero_grad(set_to_none=True)
+            got = run(m, x, cu, w)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert graphs.stats()["replays"] == 0
+    assert_same(got, want)
+
+
+def test_calls_from_several_threads_get_their_own_results(graphs):
+    import threading
+    layers = [layer(i) for i in range(4)]
+    x, cu = pack()
+    with torch.no_grad():
+        for _ in range(3):
+            layers[0](x, cu_seqlens=cu)
+        graphs.set_enabled(False)
+        want = [m(x, cu_seqlens=cu) for m in layers]
+        graphs.set_enabled(True)
+    wrong = []
+
+    def work(i):
+        with torch.no_grad():
+            for _ in range(30):
+                if not torch.allclose(layers[i](x, cu_seqlens=cu), want[i], atol=1e-12, rtol=0):
+                    wrong.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert graphs.stats()["replays"] >= 120 and wrong == []
