@@ -50,6 +50,7 @@ from collections import OrderedDict
 
 import torch
 
+from gdn_layer import mix_capture
 from gdn_layer.derived import capturing
 from gdn_layer.kernels import gated_rms_norm
 from gdn_layer.parallel import pad_cu_seqlens
@@ -59,14 +60,13 @@ CAPTURE_AFTER = 2        # calls of a signature that run eagerly before it is ca
 MAX_SIGNATURES = 8       # captures kept per process
 MIN_CAPACITY = 8         # the smallest number of sequences a capture is made for
 FLASH_QLA_MAX_T = 8192   # longest pack replayed where FlashQLA would run eagerly (measured: docs/performance.md)
-WARMUP_RUNS = 2          # eager runs on the capture stream before a capture (autotuners settle, caches fill)
 
 _enabled = os.environ.get("GDN_MIX_GRAPHS", "1") != "0"
 _lock = threading.RLock()
-_kept: OrderedDict = OrderedDict()   # signature -> _Captured, or None (failed: eager for good)
+_kept: OrderedDict = OrderedDict()   # signature -> mix_capture.Captured, or None (failed: eager for good)
 _seen: OrderedDict = OrderedDict()   # signature -> calls so far, before its capture
-_pools: dict = {}                    # device index -> graph pool handle
 _stats = {"captures": 0, "replays": 0}
+_DEVICES = ("cuda",)   # the CPU tests add "cpu" (with a stand-in capture: gdn_layer.mix_capture._capturer)
 
 
 def enabled() -> bool:
@@ -90,7 +90,7 @@ def clear() -> None:
         _stats.update(captures=0, replays=0)
         _kept.clear()
         _seen.clear()
-        _pools.clear()
+        mix_capture.reset()
 
 
 def stats() -> dict:
@@ -230,114 +230,18 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
         with torch.no_grad():
             o = captured.forward(inputs)[0]
     else:
-        o = _Replay.apply(captured, *inputs)
+        o = mix_capture.Replay.apply(captured, *inputs)
     return o.view(B, T, *o.shape[2:])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# capture and replay
-
-_replay_lock = threading.RLock()   # one replay at a time: the captures share one memory pool
-_replays = [0]                     # replays of any capture: what a pending backward checks its saved tensors by
-
-
-class _Captured:
-    """One signature's graphs and their static buffers."""
-
-    def __init__(self, capacity, static, out, saved, fwd, bwd=None, grad_out=None, grads=None):
-        self.capacity = capacity
-        self.static = static        # the graphs' inputs: mixed, z, cu, weight, A_log, dt_bias, norm weight
-        self.out = out              # the forward graph's output
-        self.saved = saved          # what the forward saved for the backward, other than the inputs
-        self.fwd, self.bwd = fwd, bwd
-        self.grad_out, self.grads = grad_out, grads   # the backward graph's input and outputs (per input, or None)
-        self.loaded = None          # the call whose inputs the static buffers now hold
-        self.cuda = static[0].device.type == "cuda"
-
-    def load(self, inputs, owner) -> None:
-        for s, t in zip(self.static, inputs):
-            s.copy_(t)
-        self.loaded = owner
-
-    def replay(self, graph) -> None:
-        graph.replay()
-        _replays[0] += 1
-
-    def begin(self) -> None:
-        if self.cuda:   # a replay enqueued on another stream must finish before these copies start
-            torch.cuda.current_stream(self.static[0].device).wait_event(_last_event(self.static[0].device))
-
-    def end(self) -> None:
-        if self.cuda:
-            _last_event(self.static[0].device).record()
-
-    def forward(self, inputs, owner=None):
-        with _replay_lock:
-            self.begin()
-            self.load(inputs, owner)
-            self.replay(self.fwd)
-            out = self.out.clone()
-            saved = [t.clone() for t in self.saved] if owner is not None else None
-            stamp = _replays[0]
-            self.end()
-        return out, saved, stamp
-
-
-_events: dict = {}
-
-
-def _last_event(device) -> "torch.cuda.Event":
-    """Per device: recorded after the last replay's copies out (the next replay's stream waits on it)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _events:
-        _events[index] = torch.cuda.Event()
-    return _events[index]
-
-
-class _Replay(torch.autograd.Function):
-    """The forward and backward replays as one autograd node; the inputs' gradients are copies."""
-
-    @staticmethod
-    def forward(ctx, captured, *inputs):
-        owner = object()
-        out, saved, stamp = captured.forward(inputs, owner)
-        ctx.captured, ctx.owner, ctx.stamp = captured, owner, stamp
-        ctx.save_for_backward(*inputs, *saved)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        captured = ctx.captured
-        tensors = ctx.saved_tensors
-        inputs, saved = tensors[:len(captured.static)], tensors[len(captured.static):]
-        with _replay_lock:
-            captured.begin()
-            if captured.loaded is not ctx.owner:      # another call of this signature loaded its inputs since
-                captured.load(inputs, ctx.owner)
-            if captured.loaded is not ctx.owner or _replays[0] != ctx.stamp:   # any replay since may have
-                for buffer, value in zip(captured.saved, saved):               # overwritten them (shared pool)
-                    buffer.copy_(value)
-            captured.grad_out.copy_(grad)
-            captured.replay(captured.bwd)
-            grads = [None if g is None else g.clone() for g in captured.grads]
-            captured.end()
-        return (None, *grads)
-
-
-def _pool(device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _pools:
-        _pools[index] = torch.cuda.graph_pool_handle()
-    return _pools[index]
 
 
 def _capture(layer, mixed, z, cu, params, grad, key):
     """Capture ``key``'s graphs from this call's inputs (copies of them), keep and return them; None (and a
     warning, once per signature) where the capture fails."""
     try:
-        with _replay_lock, torch.inference_mode(False), torch.enable_grad() if grad else torch.no_grad():
-            captured = _record(layer, mixed, z, cu, params, grad)
+        with mix_capture.replay_lock, torch.inference_mode(False), torch.enable_grad() if grad else torch.no_grad():
+            capacity = _capacity(cu.numel() - 1)
+            captured = mix_capture.record(lambda *t: mix(layer, *t), (mixed, z, pad_cu_seqlens(cu, capacity), *params),
+                                          grad, capacity)
     except Exception as error:  # noqa: BLE001 - any op that cannot be captured: this signature runs eagerly
         _kept[key] = None
         failed = [k for k, c in _kept.items() if c is None]
@@ -352,89 +256,6 @@ def _capture(layer, mixed, z, cu, params, grad, key):
         oldest = next(k for k, c in _kept.items() if c is not None)
         del _kept[oldest]
     return captured
-
-
-class _CudaCapture:
-    """Makes the graphs of a function of the tensors ``static`` (the graphs' inputs): ``forward(run)`` captures
-    ``run()`` (recording what autograd saves) and returns ``(graph, out, saved)``; ``backward(out, leaves,
-    grad_out)`` captures the gradients of ``leaves`` and returns ``(graph, grads)``. The CPU tests put a
-    stand-in with the same semantics in ``_capturer``."""
-
-    def __init__(self, static: list):
-        device = static[0].device
-        self.pool = _pool(device)
-        self.stream = torch.cuda.Stream(device=device)
-        self.stream.wait_stream(torch.cuda.current_stream(device))
-        self.device = device
-
-    def warm(self, run, leaves, grad: bool) -> None:
-        from gdn_layer.kernels.flash_qla_backend import as_in_capture
-        with torch.cuda.stream(self.stream), as_in_capture():
-            for _ in range(WARMUP_RUNS):
-                out = run()
-                if grad:
-                    torch.autograd.grad(out, leaves, torch.zeros_like(out), allow_unused=True)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-    def _graph(self, graph):
-        return torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local")
-
-    def forward(self, run):
-        graph, saved = torch.cuda.CUDAGraph(), []
-        with self._graph(graph), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
-                                                                         lambda t: t):
-            out = run()
-        return graph, out, saved
-
-    def backward(self, out, leaves, grad_out):
-        graph = torch.cuda.CUDAGraph()
-        with self._graph(graph):
-            grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-        return graph, grads
-
-
-_capturer = _CudaCapture
-_DEVICES = ("cuda",)   # the CPU tests add "cpu" (with the stand-in capturer)
-
-
-def _record(layer, mixed, z, cu, params, grad):
-    capacity = _capacity(cu.numel() - 1)
-    inputs = (mixed, z, pad_cu_seqlens(cu, capacity), *params)
-    static = [t.detach().clone() for t in inputs]
-    differentiable = [i for i, t in enumerate(inputs) if grad and t.requires_grad]
-    for i in differentiable:
-        static[i].requires_grad_(True)
-    leaves = [static[i] for i in differentiable]
-
-    def run():
-        return mix(layer, *static)
-
-    capture = _capturer(static)
-    capture.warm(run, leaves, grad)
-    fwd, out, saved = capture.forward(run)
-    if not grad:
-        return _Captured(capacity, static, out, [], fwd)
-    grad_out = torch.zeros_like(out)
-    bwd, found = capture.backward(out, leaves, grad_out)
-    grads = [None] * len(inputs)
-    for i, g in zip(differentiable, found):
-        grads[i] = g
-    return _Captured(capacity, static, out.detach(), _internal(saved, static), fwd, bwd, grad_out, grads)
-
-
-def _internal(saved, static) -> list:
-    """The saved tensors that are not (views of) the graphs' inputs, each once: what a call must keep a copy of."""
-    inputs = {t.untyped_storage().data_ptr() for t in static if t is not None}
-    kept, seen = [], set()
-    for t in saved:
-        t = t.detach()
-        if t.untyped_storage().data_ptr() in inputs:
-            continue
-        k = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-        if k not in seen:
-            seen.add(k)
-            kept.append(t)
-    return kept
 
 
 __all__ = ["enabled", "set_enabled", "clear", "stats", "try_mix", "mix", "CAPTURE_AFTER", "MAX_SIGNATURES",

@@ -18,12 +18,13 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import gdn_layer.mix_capture as mix_capture
 import gdn_layer.mix_graphs as mg
 from gdn_layer import GatedDeltaNet
 
 
 class StandInCapture:
-    """``gdn_layer.mix_graphs._CudaCapture`` on the CPU (module docstring)."""
+    """``gdn_layer.mix_capture._CudaCapture`` on the CPU (module docstring)."""
     kept = []   # per capture, in capture order: its saved buffers (the fixture empties it)
 
     def __init__(self, static):
@@ -87,7 +88,7 @@ class StandInCapture:
 
 @pytest.fixture
 def graphs(monkeypatch):
-    monkeypatch.setattr(mg, "_capturer", StandInCapture)
+    monkeypatch.setattr(mix_capture, "_capturer", StandInCapture)
     StandInCapture.kept.clear()
     monkeypatch.setattr(mg, "_DEVICES", ("cuda", "cpu"))
     before = mg.set_enabled(True)
@@ -300,7 +301,7 @@ def test_a_failed_capture_warns_once_and_its_signature_runs_eagerly(graphs, monk
     class Failing(StandInCapture):
         def forward(self, run):
             raise RuntimeError("operation not permitted when stream is capturing")
-    monkeypatch.setattr(mg, "_capturer", Failing)
+    monkeypatch.setattr(mix_capture, "_capturer", Failing)
     m = layer()
     x, cu = pack()
     w = torch.randn(1, 40, 32, dtype=torch.float64)

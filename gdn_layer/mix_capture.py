@@ -1,0 +1,202 @@
+"""Capture and replay of the layer's token mixing (policy and signatures: gdn_layer/mix_graphs.py).
+
+``record(fn, inputs, grad, capacity)`` captures ``fn(*inputs)`` on static copies of the inputs into a forward CUDA
+graph (and a backward graph of the inputs that need gradients), recording with ``saved_tensors_hooks`` what the
+forward saves for its backward. ``Replay.apply(captured, *inputs)`` copies a call's inputs in, replays, and copies
+the output and those saved tensors out; its backward puts them back where another replay may have overwritten
+them (another call of the signature, or any replay: the captures share one memory pool per device) and returns
+copies of the gradients. One replay runs at a time (a lock; on CUDA an event orders the streams).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+WARMUP_RUNS = 2          # eager runs on the capture stream before a capture (autotuners settle, caches fill)
+_pools: dict = {}        # device index -> graph pool handle
+
+
+def reset() -> None:
+    """Forget the memory pools (``mix_graphs.clear``; a pool is freed once no graph holds it)."""
+    _pools.clear()
+
+
+replay_lock = threading.RLock()   # one replay at a time: the captures share one memory pool
+_replays = [0]                     # replays of any capture: what a pending backward checks its saved tensors by
+
+
+class Captured:
+    """One signature's graphs and their static buffers."""
+
+    def __init__(self, capacity, static, out, saved, fwd, bwd=None, grad_out=None, grads=None):
+        self.capacity = capacity
+        self.static = static        # the graphs' inputs: mixed, z, cu, weight, A_log, dt_bias, norm weight
+        self.out = out              # the forward graph's output
+        self.saved = saved          # what the forward saved for the backward, other than the inputs
+        self.fwd, self.bwd = fwd, bwd
+        self.grad_out, self.grads = grad_out, grads   # the backward graph's input and outputs (per input, or None)
+        self.loaded = None          # the call whose inputs the static buffers now hold
+        self.cuda = static[0].device.type == "cuda"
+
+    def load(self, inputs, owner) -> None:
+        for s, t in zip(self.static, inputs):
+            s.copy_(t)
+        self.loaded = owner
+
+    def replay(self, graph) -> None:
+        graph.replay()
+        _replays[0] += 1
+
+    def begin(self) -> None:
+        if self.cuda:   # a replay enqueued on another stream must finish before these copies start
+            torch.cuda.current_stream(self.static[0].device).wait_event(_last_event(self.static[0].device))
+
+    def end(self) -> None:
+        if self.cuda:
+            _last_event(self.static[0].device).record()
+
+    def forward(self, inputs, owner=None):
+        with replay_lock:
+            self.begin()
+            self.load(inputs, owner)
+            self.replay(self.fwd)
+            out = self.out.clone()
+            saved = [t.clone() for t in self.saved] if owner is not None else None
+            stamp = _replays[0]
+            self.end()
+        return out, saved, stamp
+
+
+_events: dict = {}
+
+
+def _last_event(device) -> "torch.cuda.Event":
+    """Per device: recorded after the last replay's copies out (the next replay's stream waits on it)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _events:
+        _events[index] = torch.cuda.Event()
+    return _events[index]
+
+
+class Replay(torch.autograd.Function):
+    """The forward and backward replays as one autograd node; the inputs' gradients are copies."""
+
+    @staticmethod
+    def forward(ctx, captured, *inputs):
+        owner = object()
+        out, saved, stamp = captured.forward(inputs, owner)
+        ctx.captured, ctx.owner, ctx.stamp = captured, owner, stamp
+        ctx.save_for_backward(*inputs, *saved)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        captured = ctx.captured
+        tensors = ctx.saved_tensors
+        inputs, saved = tensors[:len(captured.static)], tensors[len(captured.static):]
+        with replay_lock:
+            captured.begin()
+            if captured.loaded is not ctx.owner:      # another call of this signature loaded its inputs since
+                captured.load(inputs, ctx.owner)
+            if captured.loaded is not ctx.owner or _replays[0] != ctx.stamp:   # any replay since may have
+                for buffer, value in zip(captured.saved, saved):               # overwritten them (shared pool)
+                    buffer.copy_(value)
+            captured.grad_out.copy_(grad)
+            captured.replay(captured.bwd)
+            grads = [None if g is None else g.clone() for g in captured.grads]
+            captured.end()
+        return (None, *grads)
+
+
+def _pool(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pools:
+        _pools[index] = torch.cuda.graph_pool_handle()
+    return _pools[index]
+
+
+class _CudaCapture:
+    """Makes the graphs of a function of the tensors ``static`` (the graphs' inputs): ``forward(run)`` captures
+    ``run()`` (recording what autograd saves) and returns ``(graph, out, saved)``; ``backward(out, leaves,
+    grad_out)`` captures the gradients of ``leaves`` and returns ``(graph, grads)``. The CPU tests put a
+    stand-in with the same semantics in ``_capturer``."""
+
+    def __init__(self, static: list):
+        device = static[0].device
+        self.pool = _pool(device)
+        self.stream = torch.cuda.Stream(device=device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.device = device
+
+    def warm(self, run, leaves, grad: bool) -> None:
+        from gdn_layer.kernels.flash_qla_backend import as_in_capture
+        with torch.cuda.stream(self.stream), as_in_capture():
+            for _ in range(WARMUP_RUNS):
+                out = run()
+                if grad:
+                    torch.autograd.grad(out, leaves, torch.zeros_like(out), allow_unused=True)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _graph(self, graph):
+        return torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local")
+
+    def forward(self, run):
+        graph, saved = torch.cuda.CUDAGraph(), []
+        with self._graph(graph), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                                         lambda t: t):
+            out = run()
+        return graph, out, saved
+
+    def backward(self, out, leaves, grad_out):
+        graph = torch.cuda.CUDAGraph()
+        with self._graph(graph):
+            grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+        return graph, grads
+
+
+_capturer = _CudaCapture
+
+
+def record(fn, inputs, grad: bool, capacity: int) -> Captured:
+    """Capture ``fn(*inputs)`` (tensors; ``fn`` returns one tensor) on copies of ``inputs``: its forward graph
+    and, with ``grad``, the backward graph of the inputs that require grad."""
+    static = [t.detach().clone() for t in inputs]
+    differentiable = [i for i, t in enumerate(inputs) if grad and t.requires_grad]
+    for i in differentiable:
+        static[i].requires_grad_(True)
+    leaves = [static[i] for i in differentiable]
+
+    def run():
+        return fn(*static)
+
+    capture = _capturer(static)
+    capture.warm(run, leaves, grad)
+    fwd, out, saved = capture.forward(run)
+    if not grad:
+        return Captured(capacity, static, out, [], fwd)
+    grad_out = torch.zeros_like(out)
+    bwd, found = capture.backward(out, leaves, grad_out)
+    grads = [None] * len(inputs)
+    for i, g in zip(differentiable, found):
+        grads[i] = g
+    return Captured(capacity, static, out.detach(), _internal(saved, static), fwd, bwd, grad_out, grads)
+
+
+def _internal(saved, static) -> list:
+    """The saved tensors that are not (views of) the graphs' inputs, each once: what a call must keep a copy of."""
+    inputs = {t.untyped_storage().data_ptr() for t in static if t is not None}
+    kept, seen = [], set()
+    for t in saved:
+        t = t.detach()
+        if t.untyped_storage().data_ptr() in inputs:
+            continue
+        k = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if k not in seen:
+            seen.add(k)
+            kept.append(t)
+    return kept
+
+
+__all__ = ["record", "Replay", "Captured", "reset", "WARMUP_RUNS"]
