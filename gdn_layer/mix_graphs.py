@@ -32,9 +32,9 @@ no ``state``, ``output_state``, ``token_order`` or state pool; more than one tok
 have ``DecodeGraph``); no autocast; not while ``torch.compile`` traces or another CUDA graph captures; the
 layer's gate norm is the silu ``GatedRMSNorm`` without hooks; plain tensors and parameters (no DTensor or other
 subclass); the signature was seen ``CAPTURE_AFTER`` times
-before (a one-off shape never pays a capture). On a GPU where FlashQLA runs the chunk op (Hopper, bf16/fp16,
-``Dk = Dv = 128``) only up to ``FLASH_QLA_MAX_T`` tokens: a graph runs fla's chunk kernels (FlashQLA reads
-``cu_seqlens`` on the host), which are slower than FlashQLA's at long packs. At most ``MAX_SIGNATURES`` captures
+before (a one-off shape never pays a capture). Not where FlashQLA runs the chunk op (Hopper, bf16/fp16,
+``Dk = Dv = 128``): a graph would run fla's chunk kernels (FlashQLA reads ``cu_seqlens`` on the host), and at
+Qwen3-Next's shape their GPU time exceeds the host time saved (docs/performance.md). At most ``MAX_SIGNATURES`` captures
 are kept per process (least recently used dropped). A capture that fails (an op that cannot be captured) marks
 its signature eager for good and warns once.
 
@@ -59,7 +59,6 @@ from gdn_layer.submodules import conv_weight
 CAPTURE_AFTER = 2        # calls of a signature that run eagerly before it is captured
 MAX_SIGNATURES = 8       # captures kept per process
 MIN_CAPACITY = 8         # the smallest number of sequences a capture is made for
-FLASH_QLA_MAX_T = 8192   # longest pack replayed where FlashQLA would run eagerly (measured: docs/performance.md)
 
 _enabled = os.environ.get("GDN_MIX_GRAPHS", "1") != "0"
 _lock = threading.RLock()
@@ -159,7 +158,7 @@ def _eligible(layer, mixed, n: int, state, output_state, held) -> bool:
         return False
     if getattr(layer.conv1d, "_hf_hook", None) is not None:   # accelerate offload: the weight moves per call
         return False
-    if mixed.shape[1] > FLASH_QLA_MAX_T and _flash_qla_would_run(layer, mixed):
+    if _flash_qla_would_run(layer, mixed):   # a capture would run fla's chunk kernels, slower (docs/performance.md)
         return False
     return True
 
@@ -258,5 +257,4 @@ def _capture(layer, mixed, z, cu, params, grad, key):
     return captured
 
 
-__all__ = ["enabled", "set_enabled", "clear", "stats", "try_mix", "mix", "CAPTURE_AFTER", "MAX_SIGNATURES",
-           "FLASH_QLA_MAX_T"]
+__all__ = ["enabled", "set_enabled", "clear", "stats", "try_mix", "mix", "CAPTURE_AFTER", "MAX_SIGNATURES"]

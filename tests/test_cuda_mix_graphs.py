@@ -12,7 +12,7 @@ from gdn_layer.kernels import available_backends
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-BACKENDS = [b for b in ("fla", "flash_qla", "auto") if torch.cuda.is_available()
+BACKENDS = [b for b in ("fla", "auto", "flash_qla") if torch.cuda.is_available()
             and (b == "auto" or b in available_backends("cuda"))]
 
 
@@ -63,9 +63,15 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def flash_qla_runs(backend, D):
+    from gdn_layer.kernels.registry import backend_name
+    return backend_name(backend, torch.device("cuda")) == "flash_qla" and D == 128
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("D", [64, 128])
 def test_replays_give_the_op_by_op_results_over_packings_and_shared_layers(graphs, backend, D):
+    """Where FlashQLA runs the chunk op the calls stay op by op (no capture); elsewhere they replay."""
     if backend == "flash_qla" and D != 128:
         pytest.skip("FlashQLA takes D = 128 only")
     models = (layer(backend, 0, D), layer(backend, 1, D))
@@ -78,7 +84,10 @@ def test_replays_give_the_op_by_op_results_over_packings_and_shared_layers(graph
         graphs.set_enabled(True)
         for i, (g, w) in enumerate(zip(got, want)):
             assert rel(g, w) < 2e-2, (i, rel(g, w))
-    assert graphs.stats()["captures"] == 1 and graphs.stats()["replays"] >= 12
+    if flash_qla_runs(backend, D):
+        assert graphs.stats() == {"captures": 0, "replays": 0, "kept": 0}
+    else:
+        assert graphs.stats()["captures"] == 1 and graphs.stats()["replays"] >= 12
 
 
 def test_a_replayed_call_reads_nothing_back_to_the_host(graphs):
