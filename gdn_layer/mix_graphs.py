@@ -177,6 +177,12 @@ def _signature(layer, mixed, z, n: int, cu_dtype, params, grad: bool) -> tuple:
             tuple(of(p) for p in params), grad, tuple(t.requires_grad for t in (mixed, z, *params)) if grad else ())
 
 
+def _padded(cu: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``pad_cu_seqlens`` without its checks (the layer checked ``cu`` already): one op on the device."""
+    missing = capacity + 1 - cu.numel()
+    return cu if missing == 0 else torch.cat((cu, cu[-1:].expand(missing)))
+
+
 _ROWS_CU: dict = {}
 
 
@@ -224,7 +230,7 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
                 return None
         _kept.move_to_end(key)
         _stats["replays"] += 1
-    inputs = (mixed, z, pad_cu_seqlens(cu, captured.capacity), *params)
+    inputs = (mixed, z, _padded(cu, captured.capacity), *params)
     if not grad:
         with torch.no_grad():
             o = captured.forward(inputs)[0]
