@@ -130,6 +130,15 @@ def eager(m, x, cu, w):
         m.zero_grad(set_to_none=True)
 
 
+def replayed(m, x, cu, w, calls=3):
+    """``(got, want)``: the last of ``calls`` calls with the graphs on, and one op by op."""
+    want = eager(m, x, cu, w)
+    for _ in range(calls):
+        m.zero_grad(set_to_none=True)
+        got = run(m, x, cu, w)
+    return got, want
+
+
 def assert_same(a, b):
     ya, gxa, gpa = a
     yb, gxb, gpb = b
@@ -240,10 +249,7 @@ def test_frozen_parameters_and_no_grad_calls_have_their_own_captures(graphs):
     for name in ("A_log", "dt_bias", "norm.weight"):   # LoRA-style: the mix's parameters frozen
         m.get_parameter(name).requires_grad_(False)
     w = torch.randn(1, 40, 32, dtype=torch.float64)
-    want = eager(m, x, cu, w)
-    for _ in range(3):
-        m.zero_grad(set_to_none=True)
-        got = run(m, x, cu, w)
+    got, want = replayed(m, x, cu, w)
     assert graphs.stats()["captures"] == 2
     assert got[2].keys() == want[2].keys() and "A_log" not in got[2]
     assert_same(got, want)
@@ -264,10 +270,7 @@ def test_another_signature_takes_another_capture(graphs, change):
     else:
         m = GatedDeltaNet(32, 2, 4, 8, 8, backend="torch", dtype=torch.float64, norm_eps=1e-5)
     w = torch.randn(1, x.shape[1], 32, dtype=x.dtype)
-    want = eager(m, x, cu, w)
-    for _ in range(3):
-        m.zero_grad(set_to_none=True)
-        got = run(m, x, cu, w)
+    got, want = replayed(m, x, cu, w)
     assert graphs.stats()["captures"] == 2
     if change == "dtype":
         assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
@@ -387,10 +390,7 @@ def test_rows_without_cu_seqlens_replay_as_one_pack(graphs):
     torch.manual_seed(4)
     x = torch.randn(3, 20, 32, dtype=torch.float64)
     w = torch.randn(3, 20, 32, dtype=torch.float64)
-    want = eager(m, x, None, w)
-    for _ in range(3):
-        m.zero_grad(set_to_none=True)
-        got = run(m, x, None, w)
+    got, want = replayed(m, x, None, w)
     assert graphs.stats()["replays"] == 1
     assert_same(got, want)
 
@@ -421,10 +421,7 @@ def test_a_hooked_or_overridden_norm_runs_op_by_op(graphs, hook):
             lambda mod, args, out: out * 0.7 if mod is m.norm else None)
     try:
         w = torch.randn(1, 40, 32, dtype=torch.float64)
-        want = eager(m, x, cu, w)
-        for _ in range(3):
-            m.zero_grad(set_to_none=True)
-            got = run(m, x, cu, w)
+        got, want = replayed(m, x, cu, w)
     finally:
         if handle is not None:
             handle.remove()
