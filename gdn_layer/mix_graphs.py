@@ -207,8 +207,8 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
     if not _eligible(layer, mixed, n, state, output_state, held):
         return None
     params = _params(layer)
-    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (mixed, z, *params)):
-        return None                                 # DTensor (FSDP2), other tensor subclasses: op by op
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == mixed.device for t in (z, *params)):
+        return None                                 # DTensor (FSDP2), other subclasses, another device: op by op
     if cu is None:
         mixed, z, cu = mixed.reshape(1, B * T, -1), z.reshape(1, B * T, *z.shape[2:]), _rows_cu(B, T, mixed.device)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (mixed, z, *params))

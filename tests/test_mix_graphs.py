@@ -255,6 +255,23 @@ def test_frozen_parameters_and_no_grad_calls_have_their_own_captures(graphs):
     assert_same(got, want)
 
 
+def test_inference_mode_calls_replay_and_training_follows(graphs):
+    m = layer()
+    x, cu = pack()
+    graphs.set_enabled(False)
+    with torch.inference_mode():
+        want = m(x, cu_seqlens=cu)
+    graphs.set_enabled(True)
+    with torch.inference_mode():
+        outs = [m(x, cu_seqlens=cu) for _ in range(4)]
+    assert graphs.stats()["replays"] == 2
+    for o in outs:
+        assert torch.allclose(o, want, atol=1e-12, rtol=0)
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    got, want = replayed(m, x, cu, w)
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("change", ["T", "N_capacity", "dtype", "config"])
 def test_another_signature_takes_another_capture(graphs, change):
     m = layer()
