@@ -137,10 +137,13 @@ def _saved_tensor_hooks_active() -> bool:
     """Whether autograd packs saved tensors through hooks now (activation checkpointing, ``save_on_cpu``,
     offloading): such a caller may compare what a call saves with what its recomputation saves, and a capture
     would run the caller's hooks over the capture's own tensors."""
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    except (AttributeError, RuntimeError):   # a torch without this (private) query: assume hooks, run op by op
+    query = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if query is None:            # torch before 2.8 has no such (private) query: assume hooks, run op by op
         return True
+    try:
+        return query(False) is not None
+    except TypeError:            # a form without the argument
+        return query() is not None
 
 
 def _eligible(layer, mixed, n: int, state, output_state, held) -> bool:
