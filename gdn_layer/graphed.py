@@ -37,6 +37,7 @@ import warnings
 import torch
 from torch import nn
 
+from gdn_layer import mix_graphs
 from gdn_layer.checks import check_local
 from gdn_layer.parallel import pad_cu_seqlens
 from gdn_layer.parallel.packing import positive_int
@@ -287,7 +288,8 @@ def make_graphed_layers(module: nn.Module, tokens: int, max_num_seqs: int) -> li
                     rounding_mode="floor").to(torch.int32)
     samples = [(torch.randn(1, tokens, layer.hidden_size, device=device, dtype=layer.out_proj.weight.dtype,
                             requires_grad=True), cu0.clone()) for layer in layers]
-    graphed = _capture(wrappers, tuple(samples))
+    with mix_graphs.paused():       # its eager warm-up would capture the token mixing for nothing
+        graphed = _capture(wrappers, tuple(samples))
     order = _Order()
     whole = pad_cu_seqlens(torch.tensor([0, tokens], dtype=torch.int32, device=device), max_num_seqs)
     for i, (layer, g, (x, _)) in enumerate(zip(layers, graphed, samples)):

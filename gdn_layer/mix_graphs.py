@@ -43,6 +43,7 @@ tensors per signature, held while the signature is kept (``clear()`` drops them 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -81,6 +82,18 @@ def set_enabled(on: bool) -> bool:
         raise TypeError(f"on must be a bool, got {type(on).__name__}")
     before, _enabled = _enabled, on
     return before
+
+
+@contextlib.contextmanager
+def paused():
+    """Every call op by op inside (``make_graphed_layers`` warms its layers up eagerly before capturing them:
+    no mix capture is made for calls that will replay the layer's own graphs)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
 
 
 def clear() -> None:
@@ -266,4 +279,4 @@ def _capture(layer, mixed, z, cu, params, grad, key):
     return captured
 
 
-__all__ = ["enabled", "set_enabled", "clear", "stats", "try_mix", "mix", "CAPTURE_AFTER", "MAX_SIGNATURES"]
+__all__ = ["enabled", "set_enabled", "paused", "clear", "stats", "try_mix", "mix", "CAPTURE_AFTER", "MAX_SIGNATURES"]

@@ -470,3 +470,22 @@ def test_calls_from_several_threads_get_their_own_results(graphs):
     for t in threads:
         t.join()
     assert graphs.stats()["replays"] >= 120 and wrong == []
+
+
+def test_make_graphed_layers_warms_up_without_a_mix_capture(graphs, monkeypatch):
+    """``make_graphed_callables`` runs each layer three times eagerly before capturing it: those calls must not
+    capture the token mixing (its graphs would never replay, their memory wasted)."""
+    import gdn_layer.graphed as graphed
+    from gdn_layer import make_graphed_layers
+    from graph_standin import Replays
+    stand_in = Replays()
+
+    def warm_then_capture(wrappers, samples):
+        for w, (x, cu) in zip(wrappers, samples):
+            for _ in range(3):
+                w(x.detach().requires_grad_(x.requires_grad), cu).sum().backward()
+        return stand_in(wrappers, samples)
+    monkeypatch.setattr(graphed, "_capture", warm_then_capture)
+    m = layer()
+    make_graphed_layers(m, tokens=40, max_num_seqs=4)
+    assert graphs.stats()["captures"] == 0 and graphs.enabled()
