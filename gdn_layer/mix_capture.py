@@ -3,27 +3,20 @@
 ``record(fn, inputs, grad, capacity)`` captures ``fn(*inputs)`` on static copies of the inputs into a forward CUDA
 graph (and a backward graph of the inputs that need gradients), recording with ``saved_tensors_hooks`` what the
 forward saves for its backward. ``Replay.apply(captured, *inputs)`` copies a call's inputs in, replays, and copies
-the output and those saved tensors out; its backward puts them back where another replay may have overwritten
-them (another call of the signature, or any replay: the captures share one memory pool per device) and returns
-copies of the gradients. One replay runs at a time (a lock; on CUDA an event orders the streams).
+the output and those saved tensors out; its backward puts them back where another call of the signature has
+loaded its own since, and returns copies of the gradients. Each capture has its own memory pool (its forward and
+backward graphs share it), freed when the capture is dropped. One replay runs at a time (a lock; on CUDA an event,
+on the capture's device, orders the streams).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
 
 WARMUP_RUNS = 2          # eager runs on the capture stream before a capture (autotuners settle, caches fill)
-_pools: dict = {}        # device index -> graph pool handle
-
-
-def reset() -> None:
-    """Forget the memory pools (``mix_graphs.clear``; a pool is freed once no graph holds it)."""
-    _pools.clear()
-
-
-replay_lock = threading.RLock()   # one replay at a time: the captures share one memory pool
-_replays = [0]                     # replays of any capture: what a pending backward checks its saved tensors by
+replay_lock = threading.RLock()   # one replay at a time (the static buffers are shared by every call)
 
 
 class Captured:
@@ -37,35 +30,35 @@ class Captured:
         self.fwd, self.bwd = fwd, bwd
         self.grad_out, self.grads = grad_out, grads   # the backward graph's input and outputs (per input, or None)
         self.loaded = None          # the call whose inputs the static buffers now hold
-        self.cuda = static[0].device.type == "cuda"
+        self.device = static[0].device
+        self.cuda = self.device.type == "cuda"
 
     def load(self, inputs, owner) -> None:
         for s, t in zip(self.static, inputs):
             s.copy_(t)
         self.loaded = owner
 
-    def replay(self, graph) -> None:
-        graph.replay()
-        _replays[0] += 1
+    def on_device(self):
+        """The capture's device current (a layer on another GPU than the thread's current one)."""
+        return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
     def begin(self) -> None:
         if self.cuda:   # a replay enqueued on another stream must finish before these copies start
-            torch.cuda.current_stream(self.static[0].device).wait_event(_last_event(self.static[0].device))
+            torch.cuda.current_stream(self.device).wait_event(_last_event(self.device))
 
     def end(self) -> None:
         if self.cuda:
-            _last_event(self.static[0].device).record()
+            _last_event(self.device).record(torch.cuda.current_stream(self.device))
 
     def forward(self, inputs, owner=None):
-        with replay_lock:
+        with replay_lock, self.on_device():
             self.begin()
             self.load(inputs, owner)
-            self.replay(self.fwd)
+            self.fwd.replay()
             out = self.out.clone()
             saved = [t.clone() for t in self.saved] if owner is not None else None
-            stamp = _replays[0]
             self.end()
-        return out, saved, stamp
+        return out, saved
 
 
 _events: dict = {}
@@ -85,8 +78,8 @@ class Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, captured, *inputs):
         owner = object()
-        out, saved, stamp = captured.forward(inputs, owner)
-        ctx.captured, ctx.owner, ctx.stamp = captured, owner, stamp
+        out, saved = captured.forward(inputs, owner)
+        ctx.captured, ctx.owner = captured, owner
         ctx.save_for_backward(*inputs, *saved)
         return out
 
@@ -96,25 +89,17 @@ class Replay(torch.autograd.Function):
         captured = ctx.captured
         tensors = ctx.saved_tensors
         inputs, saved = tensors[:len(captured.static)], tensors[len(captured.static):]
-        with replay_lock:
+        with replay_lock, captured.on_device():
             captured.begin()
-            if captured.loaded is not ctx.owner:      # another call of this signature loaded its inputs since
+            if captured.loaded is not ctx.owner:      # another call of this signature loaded its own since
                 captured.load(inputs, ctx.owner)
-            if captured.loaded is not ctx.owner or _replays[0] != ctx.stamp:   # any replay since may have
-                for buffer, value in zip(captured.saved, saved):               # overwritten them (shared pool)
+                for buffer, value in zip(captured.saved, saved):
                     buffer.copy_(value)
             captured.grad_out.copy_(grad)
-            captured.replay(captured.bwd)
+            captured.bwd.replay()
             grads = [None if g is None else g.clone() for g in captured.grads]
             captured.end()
         return (None, *grads)
-
-
-def _pool(device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _pools:
-        _pools[index] = torch.cuda.graph_pool_handle()
-    return _pools[index]
 
 
 class _CudaCapture:
@@ -125,7 +110,7 @@ class _CudaCapture:
 
     def __init__(self, static: list):
         device = static[0].device
-        self.pool = _pool(device)
+        self.pool = torch.cuda.graph_pool_handle()   # this capture's own (its two graphs share it)
         self.stream = torch.cuda.Stream(device=device)
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self.device = device
@@ -199,4 +184,4 @@ def _internal(saved, static) -> list:
     return kept
 
 
-__all__ = ["record", "Replay", "Captured", "reset", "WARMUP_RUNS"]
+__all__ = ["record", "Replay", "Captured", "replay_lock", "WARMUP_RUNS"]

@@ -38,8 +38,9 @@ Qwen3-Next's shape their GPU time exceeds the host time saved (docs/performance.
 are kept per process (least recently used dropped). A capture that fails (an op that cannot be captured) marks
 its signature eager for good and warns once.
 
-**Memory.** The captures share one CUDA memory pool per device: about one eager call's temporaries and saved
-tensors per signature, held while the signature is kept (``clear()`` drops them all).
+**Memory.** Each capture has its own CUDA memory pool: about one eager call's temporaries and saved tensors per
+kept signature, given back when the signature is dropped (least recently used beyond ``MAX_SIGNATURES``, or
+``clear()``).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ import torch
 from gdn_layer import mix_capture
 from gdn_layer.derived import capturing
 from gdn_layer.kernels import gated_rms_norm
+from gdn_layer.kernels.validation import validation_enabled
 from gdn_layer.parallel import pad_cu_seqlens
 from gdn_layer.submodules import conv_weight
 
@@ -66,12 +68,14 @@ _lock = threading.RLock()
 _kept: OrderedDict = OrderedDict()   # signature -> mix_capture.Captured, or None (failed: eager for good)
 _seen: OrderedDict = OrderedDict()   # signature -> calls so far, before its capture
 _stats = {"captures": 0, "replays": 0}
+_paused = [0]                        # open paused() blocks
 _DEVICES = ("cuda",)   # the CPU tests add "cpu" (with a stand-in capture: gdn_layer.mix_capture._capturer)
 
 
 def enabled() -> bool:
-    """Whether eligible CUDA calls replay captured graphs (default True; ``GDN_MIX_GRAPHS=0`` at import: False)."""
-    return _enabled
+    """Whether eligible CUDA calls replay captured graphs (default True; ``GDN_MIX_GRAPHS=0`` at import: False;
+    False inside ``paused()``)."""
+    return _enabled and _paused[0] == 0
 
 
 def set_enabled(on: bool) -> bool:
@@ -86,14 +90,15 @@ def set_enabled(on: bool) -> bool:
 
 @contextlib.contextmanager
 def paused():
-    """Every call op by op inside (``make_graphed_layers`` warms its layers up eagerly before capturing them:
-    no mix capture is made for calls that will replay the layer's own graphs)."""
-    global _enabled
-    before, _enabled = _enabled, False
+    """Every call op by op inside, in every thread (``make_graphed_layers`` warms its layers up eagerly before
+    capturing them: no mix capture is made for calls that will replay the layer's own graphs). Nests."""
+    with _lock:
+        _paused[0] += 1
     try:
         yield
     finally:
-        _enabled = before
+        with _lock:
+            _paused[0] -= 1
 
 
 def clear() -> None:
@@ -102,7 +107,6 @@ def clear() -> None:
         _stats.update(captures=0, replays=0)
         _kept.clear()
         _seen.clear()
-        mix_capture.reset()
 
 
 def stats() -> dict:
@@ -161,10 +165,14 @@ def _saved_tensor_hooks_active() -> bool:
 
 def _eligible(layer, mixed, n: int, state, output_state, held) -> bool:
     """Everything except the signature's count (module docstring); ``n`` sequences in ``mixed [B, T, ...]``."""
-    if not (_enabled and mixed.device.type in _DEVICES and state is None and output_state is False and held is None
+    if torch.compiler.is_compiling():                # (first: nothing below is traced)
+        return False
+    if not (enabled() and mixed.device.type in _DEVICES and state is None and output_state is False and held is None
             and layer.sp_size == 1 and layer.cp_size == 1):
         return False
-    if torch.is_autocast_enabled(mixed.device.type) or torch.compiler.is_compiling() or capturing(mixed):
+    if torch.is_autocast_enabled(mixed.device.type) or capturing(mixed) or validation_enabled():
+        return False                                 # (value checks do not run inside a capture)
+    if "_conv_gate" in layer.__dict__ or "_delta_rule" in layer.__dict__:   # overridden on the instance
         return False
     # more tokens than the capacity's sequences: no call inside the graph may take the decode path, whose
     # choice comes from the (padded) shapes
@@ -189,7 +197,7 @@ def _flash_qla_would_run(layer, mixed) -> bool:
 def _signature(layer, mixed, z, n: int, cu_dtype, params, grad: bool) -> tuple:
     def of(t):
         return (tuple(t.shape), t.dtype)
-    return (type(layer), layer.extra_repr(), layer.norm.eps, mixed.device, of(mixed), of(z), cu_dtype, _capacity(n),
+    return (type(layer), layer.extra_repr(), layer.norm.eps, layer.norm.backend, mixed.device, of(mixed), of(z), cu_dtype, _capacity(n),
             tuple(of(p) for p in params), grad, tuple(t.requires_grad for t in (mixed, z, *params)) if grad else ())
 
 
