@@ -1,6 +1,6 @@
 """Capture and replay of the layer's token mixing (policy and signatures: gdn_layer/mix_graphs.py).
 
-``record(fn, inputs, grad, capacity)`` captures ``fn(*inputs)`` on static copies of the inputs into a forward CUDA
+``record(fn, inputs, grad)`` captures ``fn(*inputs)`` on static copies of the inputs into a forward CUDA
 graph (and a backward graph of the inputs that need gradients), recording with ``saved_tensors_hooks`` what the
 forward saves for its backward. ``Replay.apply(captured, *inputs)`` copies a call's inputs in, replays, and copies
 the output and those saved tensors out; its backward puts them back where another call of the signature has
@@ -22,8 +22,7 @@ replay_lock = threading.RLock()   # one replay at a time (the static buffers are
 class Captured:
     """One signature's graphs and their static buffers."""
 
-    def __init__(self, capacity, static, out, saved, fwd, bwd=None, grad_out=None, grads=None):
-        self.capacity = capacity
+    def __init__(self, static, out, saved, fwd, bwd=None, grad_out=None, grads=None):
         self.static = static        # the graphs' inputs: mixed, z, cu, weight, A_log, dt_bias, norm weight
         self.out = out              # the forward graph's output
         self.saved = saved          # what the forward saved for the backward, other than the inputs
@@ -144,7 +143,7 @@ class _CudaCapture:
 _capturer = _CudaCapture
 
 
-def record(fn, inputs, grad: bool, capacity: int) -> Captured:
+def record(fn, inputs, grad: bool) -> Captured:
     """Capture ``fn(*inputs)`` (tensors; ``fn`` returns one tensor) on copies of ``inputs``: its forward graph
     and, with ``grad``, the backward graph of the inputs that require grad."""
     static = [t.detach().clone() for t in inputs]
@@ -160,18 +159,18 @@ def record(fn, inputs, grad: bool, capacity: int) -> Captured:
     capture.warm(run, leaves, grad)
     fwd, out, saved = capture.forward(run)
     if not grad:
-        return Captured(capacity, static, out, [], fwd)
+        return Captured(static, out, [], fwd)
     grad_out = torch.zeros_like(out)
     bwd, found = capture.backward(out, leaves, grad_out)
     grads = [None] * len(inputs)
     for i, g in zip(differentiable, found):
         grads[i] = g
-    return Captured(capacity, static, out.detach(), _internal(saved, static), fwd, bwd, grad_out, grads)
+    return Captured(static, out.detach(), _internal(saved, static), fwd, bwd, grad_out, grads)
 
 
 def _internal(saved, static) -> list:
     """The saved tensors that are not (views of) the graphs' inputs, each once: what a call must keep a copy of."""
-    inputs = {t.untyped_storage().data_ptr() for t in static if t is not None}
+    inputs = {t.untyped_storage().data_ptr() for t in static}
     kept, seen = [], set()
     for t in saved:
         t = t.detach()

@@ -55,8 +55,10 @@ import torch
 from gdn_layer import mix_capture
 from gdn_layer.derived import capturing
 from gdn_layer.kernels import gated_rms_norm
+from gdn_layer.kernels.ops_delta_rule import dense_cu
 from gdn_layer.kernels.validation import validation_enabled
 from gdn_layer.parallel import pad_cu_seqlens
+from gdn_layer.state import autograd_records
 from gdn_layer.submodules import conv_weight
 
 CAPTURE_AFTER = 2        # calls of a signature that run eagerly before it is captured
@@ -163,8 +165,9 @@ def _saved_tensor_hooks_active() -> bool:
         return query() is not None
 
 
-def _eligible(layer, mixed, n: int, state, output_state, held) -> bool:
-    """Everything except the signature's count (module docstring); ``n`` sequences in ``mixed [B, T, ...]``."""
+def _eligible(layer, mixed, capacity: int, state, output_state, held) -> bool:
+    """Everything except the signature's count (module docstring); ``capacity``: the sequences a capture of this
+    call holds (``_capacity``)."""
     if torch.compiler.is_compiling():                # (first: nothing below is traced)
         return False
     if not (enabled() and mixed.device.type in _DEVICES and state is None and output_state is False and held is None
@@ -176,7 +179,7 @@ def _eligible(layer, mixed, n: int, state, output_state, held) -> bool:
         return False
     # more tokens than the capacity's sequences: no call inside the graph may take the decode path, whose
     # choice comes from the (padded) shapes
-    if mixed.shape[0] * mixed.shape[1] <= _capacity(n):
+    if mixed.shape[0] * mixed.shape[1] <= capacity:
         return False
     if not _plain_norm(layer.norm) or _saved_tensor_hooks_active():
         return False
@@ -194,49 +197,29 @@ def _flash_qla_would_run(layer, mixed) -> bool:
     return mixed.dtype in (torch.bfloat16, torch.float16) and layer.head_k_dim == layer.head_v_dim == 128
 
 
-def _signature(layer, mixed, z, n: int, cu_dtype, params, grad: bool) -> tuple:
+def _signature(layer, mixed, z, capacity: int, cu_dtype, params, grad: bool) -> tuple:
     def of(t):
         return (tuple(t.shape), t.dtype)
-    return (type(layer), layer.extra_repr(), layer.norm.eps, layer.norm.backend, mixed.device, of(mixed), of(z), cu_dtype, _capacity(n),
-            tuple(of(p) for p in params), grad, tuple(t.requires_grad for t in (mixed, z, *params)) if grad else ())
-
-
-def _padded(cu: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``pad_cu_seqlens`` without its checks (the layer checked ``cu`` already): one op on the device."""
-    missing = capacity + 1 - cu.numel()
-    return cu if missing == 0 else torch.cat((cu, cu[-1:].expand(missing)))
-
-
-_ROWS_CU: dict = {}
-
-
-def _rows_cu(B: int, T: int, device) -> torch.Tensor:
-    """``[0, T, ..., B T]``: ``B`` rows as one pack (copied into the graph's own ``cu_seqlens`` at each call, so
-    the graph never reads this tensor, which may be dropped)."""
-    key = (B, T, str(device))
-    cu = _ROWS_CU.get(key)
-    if cu is None:
-        cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=device)
-        while len(_ROWS_CU) >= 16:
-            _ROWS_CU.pop(next(iter(_ROWS_CU)))
-        _ROWS_CU[key] = cu
-    return cu
+    return (type(layer), layer.extra_repr(), layer.norm.eps, layer.norm.backend, mixed.device, of(mixed), of(z),
+            cu_dtype, capacity, tuple(of(p) for p in params), grad,
+            tuple(t.requires_grad for t in (mixed, z, *params)) if grad else ())
 
 
 def try_mix(layer, mixed, z, cu, state, output_state, held):
     """The mix of this call from a replay, or None where the call runs eagerly (module docstring). ``B`` rows
     without ``cu_seqlens`` run as one pack of ``B`` sequences."""
     B, T = mixed.shape[:2]
-    n = B if cu is None else cu.numel() - 1
-    if not _eligible(layer, mixed, n, state, output_state, held):
+    capacity = _capacity(B if cu is None else cu.numel() - 1)
+    if not _eligible(layer, mixed, capacity, state, output_state, held):
         return None
     params = _params(layer)
     if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == mixed.device for t in (z, *params)):
         return None                                 # DTensor (FSDP2), other subclasses, another device: op by op
-    if cu is None:
-        mixed, z, cu = mixed.reshape(1, B * T, -1), z.reshape(1, B * T, *z.shape[2:]), _rows_cu(B, T, mixed.device)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (mixed, z, *params))
-    key = _signature(layer, mixed, z, n, cu.dtype, params, grad)
+    if cu is None:   # [0, T, ..., B T], kept per shape (the graph reads its own copy, so it may be dropped)
+        mixed, z, cu = mixed.reshape(1, B * T, -1), z.reshape(1, B * T, *z.shape[2:]), dense_cu(B, T, mixed.device)
+    grad = autograd_records(mixed, (z, *params))
+    key = _signature(layer, mixed, z, capacity, cu.dtype, params, grad)
+    inputs = None
     with _lock:
         captured = _kept.get(key, False)
         if captured is None:                        # a failed capture: eager for good
@@ -249,12 +232,13 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
             if count <= CAPTURE_AFTER or torch._C._current_graph_task_id() != -1:   # (no capture inside a backward)
                 return None
             del _seen[key]
-            captured = _capture(layer, mixed, z, cu, params, grad, key)
+            inputs = (mixed, z, pad_cu_seqlens(cu, capacity), *params)
+            captured = _capture(layer, inputs, grad, key)
             if captured is None:
                 return None
         _kept.move_to_end(key)
         _stats["replays"] += 1
-    inputs = (mixed, z, _padded(cu, captured.capacity), *params)
+    inputs = inputs or (mixed, z, pad_cu_seqlens(cu, capacity), *params)
     if not grad:
         with torch.no_grad():
             o = captured.forward(inputs)[0]
@@ -263,14 +247,12 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
     return o.view(B, T, *o.shape[2:])
 
 
-def _capture(layer, mixed, z, cu, params, grad, key):
-    """Capture ``key``'s graphs from this call's inputs (copies of them), keep and return them; None (and a
+def _capture(layer, inputs, grad, key):
+    """Capture ``key``'s graphs from this call's ``inputs`` (copies of them), keep and return them; None (and a
     warning, once per signature) where the capture fails."""
     try:
         with mix_capture.replay_lock, torch.inference_mode(False), torch.enable_grad() if grad else torch.no_grad():
-            capacity = _capacity(cu.numel() - 1)
-            captured = mix_capture.record(lambda *t: mix(layer, *t), (mixed, z, pad_cu_seqlens(cu, capacity), *params),
-                                          grad, capacity)
+            captured = mix_capture.record(lambda *t: mix(layer, *t), inputs, grad)
     except Exception as error:  # noqa: BLE001 - any op that cannot be captured: this signature runs eagerly
         _kept[key] = None
         failed = [k for k, c in _kept.items() if c is None]

@@ -37,7 +37,7 @@ def _delta_rule_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_
 _DENSE_CU: dict = {}
 
 
-def _dense_cu(B: int, T: int, device: torch.device) -> torch.Tensor:
+def dense_cu(B: int, T: int, device: torch.device) -> torch.Tensor:
     """``[0, T, 2T, ..., B*T]`` on ``device``, one read-only tensor per shape (16 kept, by the project's
     caching rule: ``gdn_layer.derived``) with its host values recorded (``cu_cache``): the backends'
     per-``cu_seqlens`` caches then hit for every dense call of that shape, and nothing reads it back
@@ -58,7 +58,7 @@ def _as_packed(b, cu_seqlens, *tensors):
     B, T = q.shape[:2]
     if cu_seqlens is not None or not b.dense_as_packed or B * T == 0:
         return cu_seqlens, tensors, lambda x: x
-    cu = _dense_cu(B, T, q.device)
+    cu = dense_cu(B, T, q.device)
     flat = tuple(t.reshape(1, B * T, *t.shape[2:]) for t in tensors)
     return cu, flat, lambda x: x.reshape(B, T, *x.shape[2:])
 

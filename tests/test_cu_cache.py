@@ -75,10 +75,10 @@ def test_accelerator_copy_is_new_per_version_and_knows_its_host_values():
 
 
 def test_dense_pack_boundaries_are_shared_and_known_on_host():
-    a = ops_delta_rule._dense_cu(3, 5, torch.device("meta"))
-    assert a is ops_delta_rule._dense_cu(3, 5, torch.device("meta"))
+    a = ops_delta_rule.dense_cu(3, 5, torch.device("meta"))
+    assert a is ops_delta_rule.dense_cu(3, 5, torch.device("meta"))
     assert cu_cache.host_copy(a).tolist() == [0, 5, 10, 15]
-    cpu = ops_delta_rule._dense_cu(2, 4, torch.device("cpu"))
+    cpu = ops_delta_rule.dense_cu(2, 4, torch.device("cpu"))
     assert cpu.tolist() == [0, 4, 8]
 
 

@@ -38,14 +38,14 @@ def test_an_inference_mode_pass_does_not_break_training_on_the_same_cu():
 
 
 def test_dense_pack_made_first_under_inference_mode_still_knows_its_host_values():
-    # _dense_cu keeps its tensor across calls (derived_from_sizes): one made under inference_mode would be an
+    # dense_cu keeps its tensor across calls (derived_from_sizes): one made under inference_mode would be an
     # inference tensor for good, with nothing recorded for it (no version counter), so every later
     # dense call would read it back from the device (meta: no values to read)
     ops_delta_rule._DENSE_CU.clear()
     with torch.inference_mode():
-        a = ops_delta_rule._dense_cu(3, 7, torch.device("meta"))
+        a = ops_delta_rule.dense_cu(3, 7, torch.device("meta"))
         assert cu_cache.host_copy(a).tolist() == [0, 7, 14, 21]
-    assert ops_delta_rule._dense_cu(3, 7, torch.device("meta")) is a and not a.is_inference()
+    assert ops_delta_rule.dense_cu(3, 7, torch.device("meta")) is a and not a.is_inference()
     assert cu_cache.host_copy(a).tolist() == [0, 7, 14, 21]
 
 
@@ -54,7 +54,7 @@ def test_dense_pack_host_values_stay_on_the_host_under_a_default_device():
     # recorded host values must still be on the CPU, or every host read of them is a device read
     ops_delta_rule._DENSE_CU.clear()
     with torch.device("meta"):
-        a = ops_delta_rule._dense_cu(2, 3, torch.device("meta"))
+        a = ops_delta_rule.dense_cu(2, 3, torch.device("meta"))
     host = cu_cache.host_copy(a)
     assert host.device.type == "cpu" and host.tolist() == [0, 3, 6]
 
