@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_layer.checks import check_inputs, positive_int
+from gdn_layer.kernels.api import pool_decode_step
 from gdn_layer.kernels.validation import values_checkable
 from gdn_layer.state import GDNState, autograd_records, check_state, state_dtype
 from gdn_layer.submodules import conv_weight
@@ -242,9 +243,8 @@ def _fused_decode(x, cu, pool: GDNState, checkpoint_slots) -> bool:
 def _decode_step(layer, mixed, pool: GDNState, slots):
     """``o [N, Hv, Dv]`` of one token per sequence, the pool rows updated in place (kernels/triton/decode.py, which
     indexes ``slots`` by position: an int64 column of a wider table is made contiguous)."""
-    from gdn_layer.kernels.triton.decode import decode_step
     weight = conv_weight(layer.conv1d).squeeze(1)
-    return decode_step(mixed if mixed.stride(-1) == 1 else mixed.contiguous(),
+    return pool_decode_step(mixed if mixed.stride(-1) == 1 else mixed.contiguous(),
                        weight if weight.stride(-1) == 1 else weight.contiguous(),
                        layer.A_log.contiguous(), layer.dt_bias.contiguous(), pool.conv_state, pool.recurrent_state,
                        slots.long().contiguous(), layer.num_k_heads, layer.num_v_heads, layer.head_k_dim,

@@ -213,3 +213,11 @@ def causal_conv1d_gate(mixed, weight, A_log, dt_bias, split_sizes, activation="s
                                                            _activation(activation), output_final_state, l2norm_dim,
                                                            name)
     return ys[:len(split_sizes)], g, beta, (final if output_final_state else None)
+
+
+def pool_decode_step(*args, **kwargs):
+    """The state pool's fused decode step: one token per sequence, the pool rows updated in place (arguments,
+    shapes and dtypes: ``decode_step`` in kernels/triton/decode.py). Imported on first use, so that the layer's
+    package reaches the Triton kernels only through this one."""
+    from .triton.decode import decode_step
+    return decode_step(*args, **kwargs)
