@@ -231,6 +231,10 @@ class HFOlmoHybridGatedDeltaNet(HFGatedDeltaNet):
             mixed = seq_to_head(mixed, self._feature_index(mixed.device), self.sp_group)
         return mixed, z
 
+    @property
+    def _fuses_decode(self) -> bool:
+        return not self.allow_neg_eigval   # (the pool's fused decode kernels know no doubled beta)
+
     def _conv_gate(self, mixed, cu, initial_state, output_state, params=None):
         q, k, v, g, beta, conv_state = super()._conv_gate(mixed, cu, initial_state, output_state, params)
         return q, k, v, g, (beta * 2.0 if self.allow_neg_eigval else beta), conv_state

@@ -125,8 +125,7 @@ class GatedDeltaNet(nn.Module):
         against the block on a small random input. OLMo-Hybrid blocks: ``gdn_layer.hf.from_hf``."""
         return hf_blocks.build(cls, hf_module, sp_group=sp_group, backend=backend, cp_group=cp_group)
 
-    # ----------------------------------------------------------------------------------------------
-    # construction helpers
+    # construction helpers ------------------------------------------------------------------------
 
     @property
     def backend(self) -> str:
@@ -182,6 +181,7 @@ class GatedDeltaNet(nn.Module):
         return derived_from_sizes(self._feature_index_cache, (device.type, device.index), build)
 
     _graphed = None   # gdn_layer.graphed.GraphedCall on a layer captured by make_graphed_layers
+    _fuses_decode = True   # False where a subclass changes _conv_gate / _delta_rule (the pool's fused step skips them)
 
     def __deepcopy__(self, memo):
         """A deep copy that shares the SP (and CP) process group (which cannot be copied or pickled): EMA and

@@ -211,7 +211,7 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
     if B * T == 0:                             # no token: every row stays as it is
         return x.new_zeros(B, T, layer.hidden_size)
     mixed, z = layer._project(x)
-    if _fused_decode(x, cu, pool, checkpoint_slots):
+    if _fused_decode(layer, x, cu, pool, checkpoint_slots):
         o = _decode_step(layer, mixed.reshape(B, -1), pool, state_slots)
         return layer.out_proj(layer.norm(o[:, None], z).flatten(2))
     call = pool_call(x, cu, pool, state_slots, checkpoint_slots, checkpoint_every)
@@ -231,9 +231,9 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
     return layer.out_proj(o.flatten(2))
 
 
-def _fused_decode(x, cu, pool: GDNState, checkpoint_slots) -> bool:
-    """Whether the call is a decode step the fused kernels take (from shapes and the device alone)."""
-    return (checkpoint_slots is None and cu is None and x.shape[1] == 1
+def _fused_decode(layer, x, cu, pool: GDNState, checkpoint_slots) -> bool:
+    """Whether the call is a decode step the fused kernels take (from the layer's class, shapes and the device)."""
+    return (layer._fuses_decode and checkpoint_slots is None and cu is None and x.shape[1] == 1
             and pool.conv_state.stride(-1) == 1 and pool.recurrent_state.stride(-1) == 1
             and pool.conv_state.stride(0) != 0 and pool.recurrent_state.stride(0) != 0   # (rows of their own)
             and not torch.compiler.is_compiling()          # (a trace takes the op-by-op step: aten ops only)

@@ -382,6 +382,29 @@ def test_the_fused_decode_step_equals_the_op_by_op_pool_step(fused_decode_on_cpu
     assert rel(pools[0].conv_state, pools[1].conv_state) < tol
 
 
+@pytest.mark.parametrize("allow_neg_eigval", [True, False])
+def test_a_subclass_whose_gate_differs_decodes_op_by_op(fused_decode_on_cpu, allow_neg_eigval):
+    """OLMo-Hybrid's block doubles beta (``allow_neg_eigval``), which the fused kernels do not: its pool decode
+    step runs the op-by-op path, from the GDNState oracle of its own class; without it, the fused one."""
+    from gdn_layer.hf import HFOlmoHybridGatedDeltaNet
+    torch.manual_seed(0)
+    layer = HFOlmoHybridGatedDeltaNet(HIDDEN, HK, HV, DK, DV, allow_neg_eigval=allow_neg_eigval, backend="torch",
+                                      dtype=torch.float64).eval()
+    pool = filled_pool(layer, 4)
+    before = copy_of(pool)
+    slots = torch.tensor([3, 0])
+    x = torch.randn(2, 1, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        y = GatedDeltaNet.forward(layer, x, state=pool, state_slots=slots)
+    assert len(fused_decode_on_cpu) == (0 if allow_neg_eigval else 1)
+    for i, r in enumerate(slots.tolist()):
+        with torch.no_grad():
+            want_y, want = GatedDeltaNet.forward(layer, x[i:i + 1], state=GDNState(
+                before.conv_state[r:r + 1], before.recurrent_state[r:r + 1]), output_state=True)
+        assert err(y[i:i + 1], want_y) < 1e-12
+        assert err(pool.recurrent_state[r], want.recurrent_state[0]) < 1e-12
+
+
 def test_the_fused_decode_step_reads_slots_given_as_a_strided_view(fused_decode_on_cpu):
     """A column of a per-request table (an int64 view with stride 2) names the same rows as its copy."""
     layer = make_layer()
