@@ -14,12 +14,12 @@ backend whose calls inside a CUDA graph capture take other kernels (FlashQLA han
 there: ``Backend.as_in_capture``) runs the packed training calls once more that way ("captured" jobs), so a
 capture after ``warmup()`` compiles and autotunes nothing (both would sync, which a capture forbids).
 
-Cold, the compiles dominate (FlashQLA's TileLang kernels take 10-35 s each on an H200). So on CUDA ``warmup`` starts ``workers`` child processes that build shares of
-the other calls into the shared disk caches (a dense batch is left out where the backend runs it as a
-pack: the same kernels) while this process runs the first call. When that call took longer than
-``COLD_FIRST_CALL_S`` (the caches were cold), this process waits for the children and then runs the
-other calls, loading what they built; otherwise (warm caches) it stops the children, which are still
-starting, and runs the rest itself in seconds.
+Cold, the compiles dominate (FlashQLA's TileLang kernels take 10-35 s each on an H200). So on CUDA
+``warmup`` starts ``workers`` child processes that build shares of the other calls into the shared disk
+caches (a dense batch is left out where the backend runs it as a pack: the same kernels) while this process
+runs the first call. When that call took longer than ``COLD_FIRST_CALL_S`` (the caches were cold), this
+process waits for the children and then runs the other calls, loading what they built; otherwise (warm
+caches) it stops the children, which are still starting, and runs the rest itself in seconds.
 """
 from __future__ import annotations
 
