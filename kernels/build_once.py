@@ -70,9 +70,9 @@ def software() -> dict:
 
 def runs_collectives(module) -> bool:
     """Whether ``module``'s forward may run collectives: parameters that are DTensors (FSDP2, tensor parallel)
-    or an FSDP wrapper inside. Its ranks must then run together, so none may wait for another's build."""
-    from torch.distributed.tensor import DTensor
-    return (any(isinstance(p, DTensor) for p in module.parameters())
+    or an FSDP wrapper inside. Its ranks must then run together, so none may wait for another's build. (By class
+    name: this package does not import torch.distributed.)"""
+    return (any(any(c.__name__ == "DTensor" for c in type(p).__mro__) for p in module.parameters())
             or any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()))
 
 

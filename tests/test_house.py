@@ -37,3 +37,26 @@ def test_no_numbered_work_periods_in_the_project():
     hits = [str(f.relative_to(ROOT)) for f in tracked() if f.is_file() and f.suffix not in (".png", ".json")
             and pattern.search(f.read_text(errors="replace"))]
     assert hits == []
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(("." * node.level) + node.module)
+    return names
+
+
+def test_each_package_keeps_to_its_imports():
+    """DESIGN.md's layout: gdn_layer/ imports no Triton (its kernels come through gdn_layer.kernels' API),
+    kernels/ no torch.distributed, parallel/ no model code. (parallel/packing.py's use of the kernels' cu_seqlens
+    checks and cache is the one exception the table does not allow yet.)"""
+    rules = {"gdn_layer/*.py": ("triton", "gdn_layer.kernels.triton", ".kernels.triton"),
+             "kernels/*.py": ("torch.distributed",), "kernels/triton/*.py": ("torch.distributed",),
+             "parallel/*.py": ("gdn_layer.layer", "..layer", "gdn_layer.hf", "gdn_layer.pool")}
+    bad = sorted(f"{f.relative_to(ROOT)}: {name}" for pattern, banned in rules.items() for f in tracked(pattern)
+                 for name in _imports(f) if any(name == b or name.startswith(b + ".") for b in banned))
+    assert bad == []
