@@ -168,8 +168,6 @@ def _saved_tensor_hooks_active() -> bool:
 def _eligible(layer, mixed, capacity: int, state, output_state, held) -> bool:
     """Everything except the signature's count (module docstring); ``capacity``: the sequences a capture of this
     call holds (``_capacity``)."""
-    if torch.compiler.is_compiling():                # (first: nothing below is traced)
-        return False
     if not (enabled() and mixed.device.type in _DEVICES and state is None and output_state is False and held is None
             and layer.sp_size == 1 and layer.cp_size == 1):
         return False
@@ -208,6 +206,8 @@ def _signature(layer, mixed, z, capacity: int, cu_dtype, params, grad: bool) -> 
 def try_mix(layer, mixed, z, cu, state, output_state, held):
     """The mix of this call from a replay, or None where the call runs eagerly (module docstring). ``B`` rows
     without ``cu_seqlens`` run as one pack of ``B`` sequences."""
+    if torch.compiler.is_compiling():   # (first: nothing below is traced; a traced capacity would guard on N)
+        return None
     B, T = mixed.shape[:2]
     capacity = _capacity(B if cu is None else cu.numel() - 1)
     if not _eligible(layer, mixed, capacity, state, output_state, held):
