@@ -5,7 +5,10 @@ Each sequence is prefilled with ``--prefill`` tokens, then one token per sequenc
 (host gaps included), median of ``--steps`` steps after ``--warm`` unmeasured ones. Rows, for each N:
 
 - ``ours_state``: the layer with a ``GDNState`` per step (``state=``, ``output_state=True``), eager;
-- ``ours_pool``: the layer over a state pool (``state=pool, state_slots=slots``), rows in place, eager;
+- ``ours_pool_op``: the layer over a state pool (``state=pool, state_slots=slots``), rows in place, eager and op by
+  op (``mix_graphs.paused()``);
+- ``ours_pool``: the same eager call as users make it: from its third step it replays a graph by itself
+  (gdn_layer/decode_replay.py);
 - ``ours_graph``: the same step as one CUDA-graph replay (``gdn_layer.DecodeGraph``, copies in and out included);
 - ``fla_layer``: fla's ``GatedDeltaNet`` layer (``expand_v=1``) decoding from its ``Cache``, eager;
 - ``fla_ops_graph``: the same step chained by hand from fla's ops (projections, ``causal_conv1d_update``,
@@ -14,6 +17,8 @@ Each sequence is prefilled with ``--prefill`` tokens, then one token per sequenc
 
     python benchmarks/bench_decode.py --n 1 64 256     # a few minutes: warmup(layer) first compiles every kernel
     python benchmarks/bench_decode.py --warmup none    # compiles only what the decode steps launch
+    python benchmarks/bench_decode.py --kernels        # the fused decode kernels alone, per tile config
+    python benchmarks/bench_decode.py --profile        # the pool step's kernels and their GPU times
 """
 from __future__ import annotations
 
@@ -87,7 +92,7 @@ def run(n, args):
     from fla.layers import GatedDeltaNet as FlaGDN
     from fla.models.cache_utils import Cache
 
-    from gdn_layer import DecodeGraph, GatedDeltaNet
+    from gdn_layer import DecodeGraph, GatedDeltaNet, mix_graphs
     from gdn_layer.kernels import warmup
     torch.manual_seed(0)
     dt = torch.bfloat16
@@ -105,6 +110,8 @@ def run(n, args):
         res["ours_state"] = step_ms(lambda: ours(x, state=state, output_state=True), args.steps, args.warm)
         pool = ours.new_state(2 * n)
         ours(prompt, state=pool, state_slots=slots)
+        with mix_graphs.paused():
+            res["ours_pool_op"] = step_ms(lambda: ours(x, state=pool, state_slots=slots), args.steps, args.warm)
         res["ours_pool"] = step_ms(lambda: ours(x, state=pool, state_slots=slots), args.steps, args.warm)
         graph = DecodeGraph(ours, pool, n)
         res["ours_graph"] = step_ms(lambda: graph(x, slots), args.steps, args.warm)
@@ -125,6 +132,61 @@ def run(n, args):
     return row
 
 
+def sweep_kernels(args):
+    """The two fused decode kernels alone (kernels/triton/decode.py), graph-replayed, per (BV_MAX, NUM_WARPS,
+    CONV_BC): us per step and the state rows' traffic in GB/s (read + written, fp32)."""
+    from gdn_layer.kernels.triton import decode
+    C = 2 * HK * D + HV * D
+    rows = []
+    for n in args.n:
+        torch.manual_seed(0)
+        mixed = torch.randn(n, C + 2 * HV, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(C, W, device="cuda", dtype=torch.bfloat16)
+        A_log, dt_bias = torch.rand(HV, device="cuda"), torch.rand(HV, device="cuda")
+        conv = torch.randn(2 * n, C, W - 1, device="cuda")
+        rec = torch.randn(2 * n, HV, D, D, device="cuda") * 0.01
+        slots = torch.randperm(2 * n, device="cuda")[:n]
+        for bv in (8, 16, 32, 64, 128):
+            for warps in (1, 2, 4, 8):
+                for bc in (64, 128, 256):
+                    if bc != 128 and (bv, warps) != (32, 4):
+                        continue
+                    decode.BV_MAX, decode.NUM_WARPS, decode.CONV_BC = bv, warps, bc
+                    def fn():
+                        return decode.decode_step(mixed, weight, A_log, dt_bias, conv, rec, slots, HK, HV, D, D)
+                    us = 1000 * step_ms(graphed(fn), args.steps, args.warm)
+                    gbs = n * HV * D * D * 4 * 2 / us / 1e3
+                    rows.append({"N": n, "BV_MAX": bv, "NUM_WARPS": warps, "CONV_BC": bc, "us": round(us, 2),
+                                 "state_GB_s": round(gbs, 1)})
+                    print(json.dumps(rows[-1]), flush=True)
+    for n in args.n:
+        best = min((r for r in rows if r["N"] == n), key=lambda r: r["us"])
+        print("best at N =", n, json.dumps(best), flush=True)
+    return rows
+
+
+def profile_step(args):
+    """The eager pool step's kernels at each N (torch.profiler): name, launches, GPU us per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gdn_layer import GatedDeltaNet
+    ours = GatedDeltaNet(H, HK, HV, D, D, backend=args.backend, device="cuda", dtype=torch.bfloat16).eval()
+    for n in args.n:
+        x = torch.randn(n, 1, H, device="cuda", dtype=torch.bfloat16)
+        pool = ours.new_state(2 * n)
+        slots = torch.randperm(2 * n, device="cuda")[:n]
+        with torch.inference_mode():
+            for _ in range(args.warm):
+                ours(x, state=pool, state_slots=slots)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    ours(x, state=pool, state_slots=slots)
+                torch.cuda.synchronize()
+        print(f"N = {n}: kernels of 10 eager pool steps", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=[1, 64, 256], help="sequences decoded per step")
@@ -136,12 +198,21 @@ def main():
                    help="full: warmup(layer) first (every kernel the layer can launch; minutes cold); none: only "
                         "the --warm eager steps compile what the measured steps launch")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--kernels", action="store_true", help="only the fused decode kernels, per tile config")
+    p.add_argument("--profile", action="store_true", help="only the eager pool step's kernels (torch.profiler)")
     args = p.parse_args()
+    if args.kernels or args.profile:
+        rows = sweep_kernels(args) if args.kernels else profile_step(args)
+        if args.json and rows:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     rows = [run(n, args) for n in args.n]
-    print("\n| N | ours, GDNState eager | ours, pool eager | ours, pool graph | fla layer eager | fla ops graph | "
-          "graph / fla ops |\n|---|---|---|---|---|---|---|")
+    print("\n| N | ours, GDNState eager | ours, pool op by op | ours, pool eager | ours, pool graph | fla layer eager | "
+          "fla ops graph | graph / fla ops |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['N']} | {r['ours_state']:.3f} | {r['ours_pool']:.3f} | {r['ours_graph']:.3f} | "
+        print(f"| {r['N']} | {r['ours_state']:.3f} | {r['ours_pool_op']:.3f} | {r['ours_pool']:.3f} | "
+              f"{r['ours_graph']:.3f} | "
               f"{r['fla_layer']:.3f} | {r['fla_ops_graph']:.3f} | {r['graph_vs_fla_ops']:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:

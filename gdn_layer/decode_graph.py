@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from gdn_layer import mix_graphs
 from gdn_layer.checks import positive_int
 from gdn_layer.state import GDNState
 
@@ -44,7 +45,7 @@ class DecodeGraph:
         self.layer, self.pool = layer, pool
         self.x = torch.zeros(self.max_num_seqs, 1, layer.hidden_size, device=device, dtype=layer.out_proj.weight.dtype)
         self.slots = torch.full((self.max_num_seqs,), -1, device=device, dtype=torch.int64)
-        with torch.inference_mode():
+        with torch.inference_mode(), mix_graphs.paused():             # (no automatic decode replay inside)
             layer(self.x, state=pool, state_slots=self.slots)         # the checks, eagerly, before any capture
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))

@@ -37,17 +37,15 @@ class _TwoProjections(torch.autograd.Function):
     accumulating into the first's output. Saves what ``F.linear`` would: x only for the weights' gradients, the
     weights only for x's; an output without a gradient contributes nothing (its weight's gradient stays None)."""
 
+    # (forward takes ctx: with a separate setup_context, Function.apply binds the arguments through
+    # inspect.signature at every call, some 15 us of host time)
     @staticmethod
-    def forward(x, w_m, w_z):
-        return F.linear(x, w_m), F.linear(x, w_z)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, w_m, w_z = inputs
+    def forward(ctx, x, w_m, w_z):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         ctx.save_for_backward(x if need_w else None, w_m if need_x else None, w_z if need_x else None)
         ctx.x_shape = x.shape
         ctx.set_materialize_grads(False)
+        return F.linear(x, w_m), F.linear(x, w_z)
 
     @staticmethod
     def backward(ctx, d_m, d_z):
@@ -97,15 +95,23 @@ def two_projections(x: torch.Tensor, w_m: torch.Tensor, w_z: torch.Tensor) -> tu
     return F.linear(x, w_m), F.linear(x, w_z)
 
 
-def few_token_projections(x: torch.Tensor, parts, z_proj) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(mixed, z)`` by one GEMM per part and a concatenation of the outputs, for a call autograd does not
-    record with fewer tokens than ``hidden`` (decode, a short chunk), else None. The layer's usual
+def few_token_projections(x: torch.Tensor, parts, z_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(mixed, z)`` by one GEMM per weight of ``parts`` and a concatenation of the outputs, for a call autograd
+    does not record with fewer tokens than ``hidden`` (decode, a short chunk), else None. The layer's usual
     ``x @ cat(W_qkv, W_a, W_b)^T`` copies the weights (``hidden x (conv_dim + 2 Hv)`` elements, 34 MB in bf16 at
     Qwen3-Next's shape) at every call; with fewer tokens than ``hidden`` the outputs are the smaller copy.
-    ``parts`` and ``z_proj`` are plain bias-free ``nn.Linear`` modules (``plain_linear``)."""
-    weights = [m.weight for m in (*parts, z_proj)]
+    ``parts``: the weights of plain bias-free ``nn.Linear`` modules (``plain_linear``), ``z_weight`` too."""
     tokens = x.numel() // x.shape[-1]
     # (not while torch.compile traces: a branch on the token count would guard a dynamic length)
-    if autograd_records(x, weights) or torch.compiler.is_compiling() or tokens >= x.shape[-1]:
+    if autograd_records(x, (*parts, z_weight)) or torch.compiler.is_compiling() or tokens >= x.shape[-1]:
         return None
-    return torch.cat([F.linear(x, w) for w in weights[:-1]], -1), F.linear(x, weights[-1])
+    return torch.cat([F.linear(x, w) for w in parts], -1), F.linear(x, z_weight)
+
+
+def split_projections(x: torch.Tensor, w_qkv: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor,
+                      w_z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split layout's ``(mixed [..., C + 2 Hv], z [..., Hv Dv])`` from plain bias-free projection weights of
+    x's dtype and device: ``few_token_projections``, else one GEMM on the concatenated weights and one for z
+    (``two_projections``)."""
+    parts = (w_qkv, w_a, w_b)
+    return few_token_projections(x, parts, w_z) or two_projections(x, torch.cat(parts), w_z)

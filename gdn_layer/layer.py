@@ -12,7 +12,7 @@ from gdn_layer import hf_blocks, kernels, mix_graphs
 from gdn_layer.checks import check_config, check_inputs
 from gdn_layer.context_parallel import cp_token_mix
 from gdn_layer.derived import derived_from_sizes
-from gdn_layer.in_projection import few_token_projections, plain_linear, two_projections
+from gdn_layer.in_projection import plain_linear, split_projections
 from gdn_layer.kernels import (causal_conv1d, causal_conv1d_gate, chunk_gated_delta_rule, gdn_gate,
                                recurrent_gated_delta_rule)
 from gdn_layer.kernels.registry import conv_fuses_l2norm
@@ -236,9 +236,11 @@ class GatedDeltaNet(nn.Module):
             return graphed(self, hidden_states, cu_seqlens)
         cu, held = check_inputs(self, hidden_states, cu_seqlens, state, output_state, token_order)
         state = state_for_autograd(state)
-        # pre-conv [q | k | v | a | b] of this rank's heads for every token (under SP the all-to-all is
-        # inside: the projection writes its send buffer), and the output gate z of the local tokens;
-        # with token_order, put in original order (gdn_layer/token_order.py)
+        if (y := mix_graphs.try_layer(self, hidden_states, cu, state, output_state, held)) is not None:
+            return y   # the whole call from a replay (gdn_layer/mix_graphs.py; there also try_mix below)
+        # pre-conv [q | k | v | a | b] of this rank's heads for every token (under SP the all-to-all is inside:
+        # the projection writes its send buffer), the output gate z of the local tokens; with token_order, in
+        # original order (gdn_layer/token_order.py)
         mixed, z = self._project(hidden_states)
         mixed = to_original_order(mixed, held)
         if (o := mix_graphs.try_mix(self, mixed, z, cu, state, output_state, held)) is not None:  # a replay
@@ -286,12 +288,10 @@ class GatedDeltaNet(nn.Module):
             parts = (self.in_proj_qkv, self.in_proj_a, self.in_proj_b)
             as_z = lambda t: t.reshape(*x.shape[:2], Hv, Dv)   # noqa: E731
             if all(plain_linear(m) for m in parts) and len({(m.weight.dtype, m.weight.device) for m in parts}) == 1:
-                # one GEMM on the weights' concatenation (small next to a training call's activations) into the
-                # [qkv | a | b] buffer, under SP into the all-to-all's send buffer (project_seq_to_head); x's two
-                # input gradients summed in the backward's GEMMs; few inference tokens: no weight copy (in_projection)
+                # one GEMM on the weights' concatenation into [qkv | a | b], under SP into the all-to-all's send
+                # buffer (project_seq_to_head); x's input gradients summed in GEMMs (in_projection.py)
                 if self.sp_size == 1 and plain_linear(self.in_proj_z):
-                    mixed, z = (few_token_projections(x, parts, self.in_proj_z) or two_projections(
-                        x, torch.cat([m.weight for m in parts]), self.in_proj_z.weight))
+                    mixed, z = split_projections(x, *(m.weight for m in (*parts, self.in_proj_z)))
                     return mixed, as_z(z)
                 weight = torch.cat([m.weight for m in parts])
                 if self.sp_size > 1:

@@ -33,8 +33,7 @@ class Captured:
         self.cuda = self.device.type == "cuda"
 
     def load(self, inputs, owner) -> None:
-        for s, t in zip(self.static, inputs):
-            s.copy_(t)
+        copy_all(self.static, inputs)
         self.loaded = owner
 
     def on_device(self):
@@ -54,10 +53,35 @@ class Captured:
             self.begin()
             self.load(inputs, owner)
             self.fwd.replay()
-            out = self.out.clone()
-            saved = [t.clone() for t in self.saved] if owner is not None else None
+            out, *saved = clone_all([self.out, *(self.saved if owner is not None else ())])
             self.end()
-        return out, saved
+        return out, (saved if owner is not None else None)
+
+
+def copy_all(dst: list, src: list) -> None:
+    """``d.copy_(s)`` for each pair, in one multi-tensor launch per dtype where the pairs allow it
+    (``torch._foreach_copy_``; it copies pair by pair otherwise): a few launches instead of one per tensor."""
+    groups: dict = {}
+    for d, s in zip(dst, src):
+        if d is None:
+            continue
+        same = d.dtype == s.dtype and d.device == s.device
+        pair = groups.setdefault(d.dtype if same else None, ([], []))
+        pair[0].append(d)
+        pair[1].append(s)
+    for dtype, (ds, ss) in groups.items():
+        if dtype is None:
+            for d, s in zip(ds, ss):
+                d.copy_(s)
+        else:
+            torch._foreach_copy_(ds, ss)
+
+
+def clone_all(tensors: list) -> list:
+    """Clones (None stays None) by ``copy_all``."""
+    out = [None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    copy_all(out, tensors)
+    return out
 
 
 _events: dict = {}
@@ -91,12 +115,12 @@ class Replay(torch.autograd.Function):
         with replay_lock, captured.on_device():
             captured.begin()
             if captured.loaded is not ctx.owner:      # another call of this signature loaded its own since
-                captured.load(inputs, ctx.owner)
-                for buffer, value in zip(captured.saved, saved):
-                    buffer.copy_(value)
-            captured.grad_out.copy_(grad)
+                copy_all([*captured.static, *captured.saved, captured.grad_out], [*inputs, *saved, grad])
+                captured.loaded = ctx.owner
+            else:
+                captured.grad_out.copy_(grad)
             captured.bwd.replay()
-            grads = [None if g is None else g.clone() for g in captured.grads]
+            grads = clone_all(captured.grads)
             captured.end()
         return (None, *grads)
 

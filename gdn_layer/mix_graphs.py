@@ -9,20 +9,24 @@ anything of the caller: the part of the layer between its input projections and 
     (causal conv + SiLU and the gate, the chunked delta rule, the gated RMSNorm),
 
 is captured once per *signature* into a forward graph (and, with autograd recording, a backward graph), and
-later calls of that signature replay them. The projections stay eager (a few cuBLAS calls).
+later calls of that signature replay them. Where the projections are plain bias-free ``nn.Linear`` modules of the
+split layout (no SP), the graphs hold the whole call instead (``try_layer``: ``whole``, the projections and
+``out_proj`` around ``mix``); else the projections run as modules around a replay of ``mix`` (``try_mix``).
 
 **Signature.** The layer's configuration (class and ``extra_repr``: heads, dims, backend), the norm's eps, the
-shapes, dtypes and device of the inputs and of the four parameters the mix reads (conv weight, ``A_log``,
-``dt_bias``, norm weight), which of them need gradients, and the packing's *capacity*: ``T`` and the number of
+scope (whole call or mixing), the shapes, dtypes and device of the inputs and of the parameters the graph reads
+(conv weight, ``A_log``, ``dt_bias``, norm weight; the projection weights), which of them need gradients, and
+the packing's *capacity*: ``T`` and the number of
 sequences rounded up to a power of two (at least 8). ``cu_seqlens`` is padded on the device to that capacity
 (``pad_cu_seqlens``: empty segments, no host read), so every packing of the same ``T`` and a similar document
 count replays one graph. Nothing of a layer *instance* is captured: the parameters are copied into the graph's
 inputs at every call, so all layers of one configuration share one capture.
 
-**What a replay costs on top of the kernels.** Copies in of ``mixed``, ``z``, ``cu_seqlens`` and the four small
-parameters; a copy out of the output; with autograd recording, a copy out of every tensor the captured
-forward saved for its backward (recorded at capture with ``saved_tensors_hooks``) and, in the backward, the same
-copies back in plus the gradients out. The copies run on the GPU, one launch each. Since each call keeps its own
+**What a replay costs on top of the kernels.** Copies in of the inputs (``hidden_states`` or ``mixed`` and ``z``),
+``cu_seqlens`` and the parameters; a copy out of the output; with autograd recording, a copy out of every tensor
+the captured forward saved for its backward (recorded at capture with ``saved_tensors_hooks``) and, in the
+backward, the same copies back in plus the gradients out. The copies run on the GPU, one multi-tensor launch per
+dtype (``mix_capture.copy_all``). Since each call keeps its own
 copies, replays of one graph by many layers, in any order of forwards and backwards (activation checkpointing
 included), give each call its own eager gradients.
 
@@ -51,9 +55,11 @@ import warnings
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 
 from gdn_layer import mix_capture
 from gdn_layer.derived import capturing
+from gdn_layer.in_projection import plain_linear, split_projections
 from gdn_layer.kernels import gated_rms_norm
 from gdn_layer.kernels.ops_delta_rule import dense_cu
 from gdn_layer.kernels.validation import validation_enabled
@@ -127,6 +133,15 @@ def mix(layer, mixed, z, cu, weight, A_log, dt_bias, norm_weight):
     return gated_rms_norm(o, z, norm_weight, layer.norm.eps, backend=layer.norm.backend)
 
 
+def whole(layer, x, cu, w_qkv, w_a, w_b, w_z, weight, A_log, dt_bias, norm_weight, w_out):
+    """``y [B, T, hidden]``: the layer's eager dataflow for the split layout without SP or states (projections,
+    ``mix``, output projection), every parameter an argument."""
+    mixed, z = split_projections(x, w_qkv, w_a, w_b, w_z)
+    o = mix(layer, mixed, z.reshape(*x.shape[:2], layer.num_v_heads, layer.head_v_dim), cu, weight, A_log,
+            dt_bias, norm_weight)
+    return F.linear(o.flatten(2), w_out)
+
+
 def _params(layer) -> tuple:
     """The tensors the mix reads: conv weight ``[C, W]`` (a view of ``conv1d.weight``), ``A_log``, ``dt_bias``,
     norm weight."""
@@ -195,12 +210,42 @@ def _flash_qla_would_run(layer, mixed) -> bool:
     return mixed.dtype in (torch.bfloat16, torch.float16) and layer.head_k_dim == layer.head_v_dim == 128
 
 
-def _signature(layer, mixed, z, capacity: int, cu_dtype, params, grad: bool) -> tuple:
+def _signature(layer, scope: str, tensors, capacity: int, cu_dtype, grad: bool) -> tuple:
     def of(t):
         return (tuple(t.shape), t.dtype)
-    return (type(layer), layer.extra_repr(), layer.norm.eps, layer.norm.backend, mixed.device, of(mixed), of(z),
-            cu_dtype, capacity, tuple(of(p) for p in params), grad,
-            tuple(t.requires_grad for t in (mixed, z, *params)) if grad else ())
+    return (type(layer), layer.extra_repr(), layer.norm.eps, layer.norm.backend, tensors[0].device, scope,
+            tuple(of(t) for t in tensors), cu_dtype, capacity, grad,
+            tuple(t.requires_grad for t in tensors) if grad else ())
+
+
+def _plain_on(device, tensors) -> bool:
+    """Plain tensors and parameters on ``device``: DTensor (FSDP2), other subclasses, another device run op by op."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == device for t in tensors)
+
+
+def try_layer(layer, x, cu, state, output_state, held):
+    """``y [B, T, hidden]`` of the whole call from a replay, the projections included (the split layout with plain
+    bias-free ``nn.Linear`` projections of x's dtype, no SP), or None (then ``try_mix`` is asked after the
+    projections). Raises nothing of its own: the inputs were checked."""
+    if torch.compiler.is_compiling():   # (first: nothing below is traced)
+        return None
+    from gdn_layer.layer import GatedDeltaNet
+    if layer.projection_layout != "split" or layer.sp_size != 1 or type(layer)._project is not GatedDeltaNet._project:
+        return None                                 # (a subclass with projections of its own: OLMo-Hybrid's)
+    projections = (layer.in_proj_qkv, layer.in_proj_a, layer.in_proj_b, layer.in_proj_z, layer.out_proj)
+    if not all(plain_linear(m) and m.weight.dtype == x.dtype for m in projections):
+        return None
+    B, T = x.shape[:2]
+    capacity = _capacity(B if cu is None else cu.numel() - 1)
+    if not _eligible(layer, x, capacity, state, output_state, held):
+        return None
+    params = (*(m.weight for m in projections[:4]), *_params(layer), projections[4].weight)
+    if not _plain_on(x.device, (x, *params)):
+        return None
+    if cu is None:   # B rows of T tokens: one pack [0, T, ..., B T] (every op is per token or per sequence)
+        x, cu = x.reshape(1, B * T, -1), dense_cu(B, T, x.device)
+    y = _replay(layer, "layer", whole, (x, pad_cu_seqlens(cu, capacity), *params), capacity, cu.dtype)
+    return None if y is None else y.view(B, T, -1)
 
 
 def try_mix(layer, mixed, z, cu, state, output_state, held):
@@ -213,13 +258,21 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
     if not _eligible(layer, mixed, capacity, state, output_state, held):
         return None
     params = _params(layer)
-    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == mixed.device for t in (z, *params)):
-        return None                                 # DTensor (FSDP2), other subclasses, another device: op by op
+    if not _plain_on(mixed.device, (z, *params)):
+        return None
     if cu is None:   # [0, T, ..., B T], kept per shape (the graph reads its own copy, so it may be dropped)
         mixed, z, cu = mixed.reshape(1, B * T, -1), z.reshape(1, B * T, *z.shape[2:]), dense_cu(B, T, mixed.device)
-    grad = autograd_records(mixed, (z, *params))
-    key = _signature(layer, mixed, z, capacity, cu.dtype, params, grad)
-    inputs = None
+    o = _replay(layer, "mix", mix, (mixed, z, pad_cu_seqlens(cu, capacity), *params), capacity, cu.dtype)
+    return None if o is None else o.view(B, T, *o.shape[2:])
+
+
+def _replay(layer, scope, fn, inputs, capacity, cu_dtype):
+    """``fn(layer, *inputs)`` from its signature's capture, or None: not yet captured (the first
+    ``CAPTURE_AFTER`` calls, and inside a backward) or a capture that failed. ``inputs[2]``: the padded
+    ``cu_seqlens``."""
+    tensors = (*inputs[:2], *inputs[3:])
+    grad = autograd_records(tensors[0], tensors[1:])
+    key = _signature(layer, scope, tensors, capacity, cu_dtype, grad)
     with _lock:
         captured = _kept.get(key, False)
         if captured is None:                        # a failed capture: eager for good
@@ -232,34 +285,31 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
             if count <= CAPTURE_AFTER or torch._C._current_graph_task_id() != -1:   # (no capture inside a backward)
                 return None
             del _seen[key]
-            inputs = (mixed, z, pad_cu_seqlens(cu, capacity), *params)
-            captured = _capture(layer, inputs, grad, key)
+            captured = _capture(layer, fn, inputs, grad, key)
             if captured is None:
                 return None
         _kept.move_to_end(key)
         _stats["replays"] += 1
-    inputs = inputs or (mixed, z, pad_cu_seqlens(cu, capacity), *params)
     if not grad:
         with torch.no_grad():
-            o = captured.forward(inputs)[0]
-    else:
-        o = mix_capture.Replay.apply(captured, *inputs)
-    return o.view(B, T, *o.shape[2:])
+            return captured.forward(inputs)[0]
+    return mix_capture.Replay.apply(captured, *inputs)
 
 
-def _capture(layer, inputs, grad, key):
+def _capture(layer, fn, inputs, grad, key):
     """Capture ``key``'s graphs from this call's ``inputs`` (copies of them), keep and return them; None (and a
     warning, once per signature) where the capture fails."""
     try:
         with mix_capture.replay_lock, torch.inference_mode(False), torch.enable_grad() if grad else torch.no_grad():
-            captured = mix_capture.record(lambda *t: mix(layer, *t), inputs, grad)
+            captured = mix_capture.record(lambda *t: fn(layer, *t), inputs, grad)
     except Exception as error:  # noqa: BLE001 - any op that cannot be captured: this signature runs eagerly
         _kept[key] = None
         failed = [k for k, c in _kept.items() if c is None]
         for k in failed[:-4 * MAX_SIGNATURES]:
             del _kept[k]
-        warnings.warn(f"GatedDeltaNet: the token mixing of this call signature runs eagerly; its CUDA graph "
-                      f"capture failed ({type(error).__name__}: {error})", RuntimeWarning, stacklevel=4)
+        what = "this call signature" if key[5] == "layer" else "the token mixing of this call signature"
+        warnings.warn(f"GatedDeltaNet: {what} runs eagerly; its CUDA graph capture failed "
+                      f"({type(error).__name__}: {error})", RuntimeWarning, stacklevel=5)
         return None
     _kept[key] = captured
     _stats["captures"] += 1
@@ -269,4 +319,5 @@ def _capture(layer, inputs, grad, key):
     return captured
 
 
-__all__ = ["enabled", "set_enabled", "paused", "clear", "stats", "try_mix", "mix", "CAPTURE_AFTER", "MAX_SIGNATURES"]
+__all__ = ["enabled", "set_enabled", "paused", "clear", "stats", "try_layer", "try_mix", "mix", "whole", "CAPTURE_AFTER",
+           "MAX_SIGNATURES"]

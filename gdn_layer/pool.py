@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_layer.checks import check_inputs, positive_int
+from gdn_layer.decode_replay import try_decode
 from gdn_layer.kernels.api import pool_decode_step
 from gdn_layer.kernels.validation import values_checkable
 from gdn_layer.state import GDNState, autograd_records, check_state, state_dtype
@@ -210,6 +211,8 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
     B, T = x.shape[:2]
     if B * T == 0:                             # no token: every row stays as it is
         return x.new_zeros(B, T, layer.hidden_size)
+    if (y := try_decode(layer, x, cu, pool, state_slots, checkpoint_slots)) is not None:
+        return y                               # a decode step from a replay (gdn_layer/decode_replay.py)
     mixed, z = layer._project(x)
     if _fused_decode(layer, x, cu, pool, checkpoint_slots):
         o = _decode_step(layer, mixed.reshape(B, -1), pool, state_slots)

@@ -68,6 +68,9 @@ for spec in "$@"; do
     # the serving state pool on the GPU (K: a -k expression, e.g. "not flash_qla"), and the decode-step benchmark
     pool)          step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_pool.py" -k "${K:-pool or graph}" ;;
     bench_decode)  step "$name" "$t" python3 "$R/benchmarks/bench_decode.py" --backend ${DEC_BACKEND:-auto} --n ${DEC_N:-1 64 256} --warmup ${DEC_WARMUP:-full} --json "$OUT/bench_decode.json" ;;
+    # the fused decode kernels alone per tile config, and the eager pool step's kernels (torch.profiler)
+    dec_kernels)   step "$name" "$t" python3 "$R/benchmarks/bench_decode.py" --kernels --n ${DEC_N:-1 64 256} --steps 30 --warm 5 --json "$OUT/dec_kernels.json" ;;
+    dec_profile)   step "$name" "$t" python3 "$R/benchmarks/bench_decode.py" --profile --backend ${DEC_BACKEND:-auto} --n ${DEC_N:-1 256} --warm 5 ;;
     graphs)        step "$name" "$t" python3 -m pytest -x -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;
     # the graph tests other than the replays (reduce-overhead, no-sync, the CPU-cu refusal): fewer cold compiles
     graphs_all)    step "$name" "$t" python3 -m pytest -q -rP -p no:cacheprovider "$R/tests/test_cuda_graphs.py" ;;

@@ -184,3 +184,35 @@ def test_decode_graph_replays_the_eager_step_for_any_n_and_slots(backend):
         assert got.shape == (n, 1, SIZES[0]) and rel_err(got, want) <= 1e-6
         assert rel_err(pool.recurrent_state, start.recurrent_state) <= 1e-6
         assert rel_err(pool.conv_state, start.conv_state) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eager_decode_steps_replay_from_the_third_call_like_eager_and_sync_nothing(backend):
+    """gdn_layer/decode_replay.py: eager pool decode steps of N = 5 and 7 (capacity 8) replay one graph from the
+    third call on, with the results and pool rows of the same steps with the graphs off."""
+    from gdn_layer import decode_replay, mix_graphs
+    layer = layer_on(backend)
+    pool = pool_of(layer, 16)
+    oracle = clone(pool)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    plan = [torch.randperm(16, device="cuda", generator=g)[:n] for n in (5, 5, 7, 5, 7, 7)]
+    xs = [torch.randn(len(s), 1, SIZES[0], device="cuda", generator=g).to(torch.bfloat16) for s in plan]
+    decode_replay.clear()
+    with torch.inference_mode():
+        got = [layer(x, state=pool, state_slots=s) for x, s in zip(xs[:4], plan[:4])]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got += [layer(x, state=pool, state_slots=s) for x, s in zip(xs[4:], plan[4:])]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert decode_replay.stats() == {"captures": 1, "replays": 4}
+        before = mix_graphs.set_enabled(False)
+        try:
+            want = [layer(x, state=oracle, state_slots=s) for x, s in zip(xs, plan)]
+        finally:
+            mix_graphs.set_enabled(before)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-6
+    assert rel_err(pool.recurrent_state, oracle.recurrent_state) <= 1e-6
+    assert rel_err(pool.conv_state, oracle.conv_state) <= 1e-6

@@ -312,7 +312,9 @@ def test_a_failed_capture_warns_once_and_its_signature_runs_eagerly(graphs, monk
         for _ in range(5):
             m.zero_grad(set_to_none=True)
             got = run(m, x, cu, w)
-    assert [str(c.message).count("capture failed") for c in caught] == [1]
+    # once for the whole call, once for the token mixing alone (tried after the projections), then never again
+    assert [str(c.message).count("capture failed") for c in caught] == [1, 1]
+    assert "token mixing" not in str(caught[0].message) and "token mixing" in str(caught[1].message)
     assert graphs.stats()["replays"] == 0
     assert_same(got, want)
 
@@ -518,8 +520,46 @@ def test_what_a_capture_cannot_see_runs_op_by_op(graphs, case):
 
 def test_the_norms_own_backend_is_part_of_the_signature():
     m = layer()
-    mixed, z = torch.randn(1, 40, 80), torch.randn(1, 40, 4, 8)
-    params = mg._params(m)
-    key = mg._signature(m, mixed, z, 4, torch.int32, params, True)
+    tensors = (torch.randn(1, 40, 80), torch.randn(1, 40, 4, 8), *mg._params(m))
+    key = mg._signature(m, "mix", tensors, 4, torch.int32, True)
     m.norm.backend = "some_other"
-    assert mg._signature(m, mixed, z, 4, torch.int32, params, True) != key
+    assert mg._signature(m, "mix", tensors, 4, torch.int32, True) != key
+
+
+def scopes():
+    return sorted(key[5] for key, c in mg._kept.items() if c is not None)
+
+
+def test_plain_projections_put_the_whole_call_in_one_capture(graphs):
+    m = layer()
+    x, cu = pack()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    got, want = replayed(m, x, cu, w)
+    assert_same(got, want)          # the projections' and out_proj's gradients included
+    assert scopes() == ["layer"] and graphs.stats()["replays"] == 1
+
+
+@pytest.mark.parametrize("which", ["in_proj_z", "out_proj", "in_proj_a"])
+def test_a_hooked_projection_keeps_the_projections_eager_and_replays_the_mixing(graphs, which):
+    m = layer()
+    getattr(m, which).register_forward_hook(lambda mod, args, out: out * 0.5)   # a replay without it would differ
+    x, cu = pack()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    got, want = replayed(m, x, cu, w)
+    assert_same(got, want)
+    assert scopes() == ["mix"]
+
+
+@pytest.mark.parametrize("T", [20, 40])   # fewer tokens than hidden (32): per-part GEMMs, as eager takes them
+def test_no_grad_calls_of_the_whole_layer_replay_like_eager(graphs, T):
+    m = layer()
+    x, cu = pack(T=T, cuts=(0, 3, 9, T))
+    with torch.no_grad():
+        before = mg.set_enabled(False)
+        want = m(x, cu_seqlens=cu)
+        mg.set_enabled(before)
+        for _ in range(3):
+            got = m(x, cu_seqlens=cu)
+    assert torch.allclose(got, want, atol=1e-12, rtol=0)
+    assert scopes() == ["layer"] and graphs.stats()["replays"] == 1
+

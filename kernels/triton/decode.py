@@ -17,7 +17,9 @@ Two kernels rather than one because the conv state of a k head's channels is sha
 one program updating it while another still reads it would race. Rows with ``slots[i] < 0`` (padding) read
 and write nothing and output zeros. The slots are never read on the host: a step of fixed N is captured by a
 CUDA graph and replayed with new slots. Rows are persistent per program (``_grid``: at most 65 535 programs,
-the NPU's limit); N and every stride are runtime arguments, so no N compiles anything new.
+the NPU's limit); N is a runtime argument, so no N compiles anything new. The strides and C are the layer's
+and the pool's (never N's): Triton specializes them (a multiple of 16 lets it vectorize the state rows' loads and
+stores; as runtime values the H100 moved the rows at 1.8 TB/s).
 """
 from __future__ import annotations
 
@@ -29,8 +31,12 @@ from . import _grid
 from ..reference import L2NORM_EPS
 from ._math import compute_tl_dtype, rne, sigmoid, softplus, tl_dtype
 
+# The recurrent step's tile and warps: ``[Dk, BV]`` state blocks, BV = min(BV_MAX, Dv), one program each
+# (benchmarks/bench_decode.py --kernels sweeps them on a GPU); the conv update's channel block.
+BV_MAX, NUM_WARPS, CONV_BC = 32, 4, 128
 
-@triton.jit(do_not_specialize=["N", "C", "stride_m", "stride_ps", "stride_pc", "stride_wc"])
+
+@triton.jit(do_not_specialize=["N"])
 def _conv_update_kernel(mixed, weight, pool_conv, slots, qkv, N, C, stride_m, stride_ps, stride_pc, stride_wc,
                         W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, DTYPE: tl.constexpr,
                         CT: tl.constexpr):
@@ -56,7 +62,7 @@ def _conv_update_kernel(mixed, weight, pool_conv, slots, qkv, N, C, stride_m, st
                  mask=valid & cm[:, None] & (w[None, :] < W - 1))
 
 
-@triton.jit(do_not_specialize=["N", "C", "stride_m", "stride_rs", "stride_rh", "stride_rk"])
+@triton.jit(do_not_specialize=["N"])
 def _recurrent_step_kernel(qkv, mixed, A_log, dt_bias, pool_rec, slots, o, N, C, stride_m, stride_rs, stride_rh,
                            stride_rk, scale, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                            DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DTYPE: tl.constexpr,
@@ -118,18 +124,18 @@ def decode_step(mixed: torch.Tensor, weight: torch.Tensor, A_log: torch.Tensor, 
         return o
     qkv = mixed.new_empty(N, C)
     dt, ct = tl_dtype(mixed.dtype), compute_tl_dtype(mixed, recurrent_state)
-    BC = 128
+    BC = CONV_BC
     blocks = _grid.cdiv(C, BC)
     _conv_update_kernel[(_grid.programs(N, blocks), blocks)](
         mixed, weight, conv_state, slots, qkv, N, C, mixed.stride(0), conv_state.stride(0), conv_state.stride(1),
         weight.stride(0), W=W, WP=_grid.next_power_of_2(W), BC=BC, DTYPE=dt, CT=ct)
-    BV = min(32, _grid.next_power_of_2(head_v_dim))
+    BV = min(BV_MAX, _grid.next_power_of_2(head_v_dim))
     heads = num_v_heads * _grid.cdiv(head_v_dim, BV)
     _recurrent_step_kernel[(_grid.programs(N, heads), heads)](
         qkv, mixed, A_log, dt_bias, recurrent_state, slots, o, N, C, mixed.stride(0), recurrent_state.stride(0),
         recurrent_state.stride(1), recurrent_state.stride(2), head_k_dim ** -0.5 if scale is None else scale,
         L2NORM_EPS, HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim,
-        BK=_grid.next_power_of_2(head_k_dim), BV=BV, DTYPE=dt, CT=ct)
+        BK=_grid.next_power_of_2(head_k_dim), BV=BV, DTYPE=dt, CT=ct, num_warps=NUM_WARPS)
     return o
 
 

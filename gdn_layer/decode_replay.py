@@ -1,0 +1,115 @@
+"""Eager decode steps over a state pool replayed from CUDA graphs, one per layer, pool and capacity.
+
+``layer(x, state=pool, state_slots=slots)`` with one token per sequence (``x [N, 1, hidden]``, no
+``cu_seqlens``, no checkpoints) on CUDA costs the host several times the step's GPU work (the checks, the
+projections, the fused decode kernels, the gated norm, ``out_proj``: about a dozen launches through Python).
+From the third such call of a (layer, pool, capacity) on, the step replays a ``DecodeGraph`` captured for it
+(gdn_layer/decode_graph.py): ``x`` and ``slots`` are copied into the graph's buffers, rows past N padded with
+``-1``, the pool rows are read and written in place as eagerly, and ``y`` is a copy. The *capacity* is N rounded
+up to a power of two, so every N up to it replays one graph.
+
+The graph holds the pool's tensors and the layer's parameters by address: the key holds their addresses, and a
+weak reference to each pool tensor tells that the pool still exists (a new pool, or parameters replaced, take
+a new graph; a graph whose pool is gone is dropped). The registry holds neither the layer nor the pool. At
+most ``MAX_PER_LAYER`` graphs are kept per layer (least recently used dropped).
+
+Every call runs eagerly, with the same results, where a graph would not see what the eager call does: graphs
+switched off (``mix_graphs.set_enabled(False)`` or ``GDN_MIX_GRAPHS=0``, shared with the training calls'
+graphs, or inside ``mix_graphs.paused()``); not CUDA; inside ``torch.compile`` or another capture (a
+``DecodeGraph``, a whole model's step); validation on; hooks on the layer's submodules or global module hooks, a
+``forward`` replaced on one of them or an accelerate hook; subclass (DTensor) parameters.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from gdn_layer import mix_graphs
+from gdn_layer.derived import capturing
+from gdn_layer.kernels.validation import validation_enabled
+
+CAPTURE_AFTER = 2        # eager calls of a key before its capture
+MAX_PER_LAYER = 4        # graphs kept per layer
+
+_lock = threading.RLock()
+_kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # layer -> OrderedDict(key -> entry or None)
+_stats = {"captures": 0, "replays": 0}
+
+
+def _make(layer, pool, capacity):
+    """A captured step (``DecodeGraph``; the CPU tests put a stand-in here)."""
+    from gdn_layer.decode_graph import DecodeGraph
+    return DecodeGraph(layer, pool, capacity)
+
+
+def stats() -> dict:
+    """``{"captures": n, "replays": n}`` since the last ``clear()``."""
+    return dict(_stats)
+
+
+def clear() -> None:
+    """Drop every graph and count."""
+    with _lock:
+        _kept.clear()
+        _stats.update(captures=0, replays=0)
+
+
+def _plain(layer) -> bool:
+    """No hook (the layer's submodules' or a global one), replaced ``forward`` or accelerate hook anywhere in the
+    layer, and plain tensors as parameters: a replay runs none of the Python an eager call would."""
+    g = torch.nn.modules.module
+    if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+            or g._global_backward_pre_hooks):
+        return False
+    for m in layer.modules():
+        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or (m is not layer and "forward" in m.__dict__) or getattr(m, "_hf_hook", None) is not None):
+            return False
+    return all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in layer.parameters())
+
+
+def try_decode(layer, x, cu, pool, slots, checkpoint_slots):
+    """``y [N, 1, hidden]`` of a checked pool call from a replay, or None (then the call runs eagerly)."""
+    if torch.compiler.is_compiling() or cu is not None or checkpoint_slots is not None or x.shape[1] != 1:
+        return None
+    if not mix_graphs.enabled() or x.device.type not in mix_graphs._DEVICES or capturing(x) or validation_enabled():
+        return None
+    if not _plain(layer):
+        return None
+    n = x.shape[0]
+    capacity = 1 << max(n - 1, 0).bit_length()
+    key = (capacity, x.dtype, pool.conv_state.data_ptr(), pool.recurrent_state.data_ptr(),
+           tuple(p.data_ptr() for p in layer.parameters()))
+    with _lock:
+        graphs = _kept.setdefault(layer, OrderedDict())
+        entry = graphs.get(key)
+        if entry is not None and not (entry[1]() is pool.conv_state and entry[2]() is pool.recurrent_state):
+            del graphs[key]                          # another pool now at the old one's addresses
+            entry = None
+        if entry is None:
+            count = graphs.pop(("seen", key), 0) + 1
+            if count <= CAPTURE_AFTER:
+                graphs[("seen", key)] = count
+                return None
+            with mix_graphs.paused():                # (the capture's own eager calls run eagerly)
+                step = _make(layer, pool, capacity)
+            step.layer = step.pool = None            # held by the caller, not by the registry
+            entry = (step, weakref.ref(pool.conv_state), weakref.ref(pool.recurrent_state))
+            graphs[key] = entry
+            _stats["captures"] += 1
+            for k in [k for k, e in graphs.items() if e is not None and k[0] != "seen"
+                      and (e[1]() is None or e[2]() is None)]:
+                del graphs[k]                        # graphs of pools that are gone
+            while sum(k[0] != "seen" for k in graphs) > MAX_PER_LAYER:
+                del graphs[next(k for k in graphs if k[0] != "seen")]
+            while len(graphs) > 4 * MAX_PER_LAYER:
+                del graphs[next(iter(graphs))]
+        graphs.move_to_end(key)
+        _stats["replays"] += 1
+        return entry[0](x, slots)
+
+
+__all__ = ["try_decode", "stats", "clear", "CAPTURE_AFTER", "MAX_PER_LAYER"]
