@@ -146,8 +146,8 @@ def sweep_kernels(args):
         conv = torch.randn(2 * n, C, W - 1, device="cuda")
         rec = torch.randn(2 * n, HV, D, D, device="cuda") * 0.01
         slots = torch.randperm(2 * n, device="cuda")[:n]
-        for bv in (8, 16, 32, 64, 128):
-            for warps in (1, 2, 4, 8):
+        for bv in (16, 32, 64):
+            for warps in (2, 4, 8):
                 for bc in (64, 128, 256):
                     if bc != 128 and (bv, warps) != (32, 4):
                         continue
