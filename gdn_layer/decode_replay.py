@@ -8,14 +8,15 @@ From the third such call of a (layer, pool, capacity) on, the step replays a ``D
 ``-1``, the pool rows are read and written in place as eagerly, and ``y`` is a copy. The *capacity* is N rounded
 up to a power of two, so every N up to it replays one graph.
 
-The graph holds the pool's tensors and the layer's parameters by address: the key holds their addresses, and a
-weak reference to each pool tensor tells that the pool still exists (a new pool, or parameters replaced, take
-a new graph; a graph whose pool is gone is dropped). The registry holds neither the layer nor the pool. At
+The graph holds the pool's tensors and the layer's parameters by address: the key holds their addresses and
+layouts (with the layer's configuration: a changed norm eps or backend takes a new graph), and a weak reference to
+each pool tensor's base tells that the pool still exists (a new pool, or parameters replaced, take a new graph;
+views of one pool made afresh each step share theirs; a graph is dropped with its pool). The registry holds neither the layer nor the pool. At
 most ``MAX_PER_LAYER`` graphs are kept per layer (least recently used dropped).
 
 Every call runs eagerly, with the same results, where a graph would not see what the eager call does: graphs
 switched off (``mix_graphs.set_enabled(False)`` or ``GDN_MIX_GRAPHS=0``, shared with the training calls'
-graphs, or inside ``mix_graphs.paused()``); not CUDA; inside ``torch.compile`` or another capture (a
+graphs, or inside ``mix_graphs.paused()``); not CUDA; autocast; inside ``torch.compile`` or another capture (a
 ``DecodeGraph``, a whole model's step); validation on; hooks on the layer's submodules or global module hooks, a
 ``forward`` replaced on one of them or an accelerate hook; subclass (DTensor) parameters.
 """
@@ -71,45 +72,76 @@ def _plain(layer) -> bool:
     return all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in layer.parameters())
 
 
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` views (``t`` itself if none): what stays the same when a caller slices its
+    pool afresh each step."""
+    return t if t._base is None else t._base
+
+
+def _key(layer, x, pool, capacity) -> tuple:
+    """What the graph holds fixed: the configuration (a changed eps or backend is another graph), x's dtype, the
+    capacity, and the addresses and layouts of the pool's tensors and of the parameters."""
+    def where(t):
+        return (t.data_ptr(), tuple(t.shape), t.stride())
+    norm = layer.norm
+    return (type(layer), layer.extra_repr(), norm.eps, norm.backend, getattr(norm, "gate", None), capacity, x.dtype,
+            where(pool.conv_state), where(pool.recurrent_state), tuple(where(p) for p in layer.parameters()))
+
+
 def try_decode(layer, x, cu, pool, slots, checkpoint_slots):
     """``y [N, 1, hidden]`` of a checked pool call from a replay, or None (then the call runs eagerly)."""
     if torch.compiler.is_compiling() or cu is not None or checkpoint_slots is not None or x.shape[1] != 1:
         return None
     if not mix_graphs.enabled() or x.device.type not in mix_graphs._DEVICES or capturing(x) or validation_enabled():
         return None
-    if not _plain(layer):
+    if torch.is_autocast_enabled(x.device.type) or not _plain(layer):
         return None
-    n = x.shape[0]
-    capacity = 1 << max(n - 1, 0).bit_length()
-    key = (capacity, x.dtype, pool.conv_state.data_ptr(), pool.recurrent_state.data_ptr(),
-           tuple(p.data_ptr() for p in layer.parameters()))
+    capacity = 1 << max(x.shape[0] - 1, 0).bit_length()
+    key = _key(layer, x, pool, capacity)
+    bases = (_base(pool.conv_state), _base(pool.recurrent_state))
     with _lock:
         graphs = _kept.setdefault(layer, OrderedDict())
         entry = graphs.get(key)
-        if entry is not None and not (entry[1]() is pool.conv_state and entry[2]() is pool.recurrent_state):
+        if entry is not None and not (entry[1]() is bases[0] and entry[2]() is bases[1]):
             del graphs[key]                          # another pool now at the old one's addresses
             entry = None
         if entry is None:
-            count = graphs.pop(("seen", key), 0) + 1
-            if count <= CAPTURE_AFTER:
-                graphs[("seen", key)] = count
+            entry = _seen_or_capture(layer, graphs, key, pool, capacity, bases)
+            if entry is None:
                 return None
-            with mix_graphs.paused():                # (the capture's own eager calls run eagerly)
-                step = _make(layer, pool, capacity)
-            step.layer = step.pool = None            # held by the caller, not by the registry
-            entry = (step, weakref.ref(pool.conv_state), weakref.ref(pool.recurrent_state))
-            graphs[key] = entry
-            _stats["captures"] += 1
-            for k in [k for k, e in graphs.items() if e is not None and k[0] != "seen"
-                      and (e[1]() is None or e[2]() is None)]:
-                del graphs[k]                        # graphs of pools that are gone
-            while sum(k[0] != "seen" for k in graphs) > MAX_PER_LAYER:
-                del graphs[next(k for k in graphs if k[0] != "seen")]
-            while len(graphs) > 4 * MAX_PER_LAYER:
-                del graphs[next(iter(graphs))]
         graphs.move_to_end(key)
         _stats["replays"] += 1
         return entry[0](x, slots)
+
+
+def _seen_or_capture(layer, graphs, key, pool, capacity, bases):
+    """Count a call of ``key``; at the call after ``CAPTURE_AFTER``, capture, keep and return its entry
+    ``(step, weakref(conv base), weakref(recurrent base))``, each weak reference dropping the entry with its pool."""
+    count = graphs.pop(("seen", key), 0) + 1
+    if count <= CAPTURE_AFTER:
+        graphs[("seen", key)] = count
+        _trim(graphs)
+        return None
+    with mix_graphs.paused():                        # (the capture's own eager calls run eagerly)
+        step = _make(layer, pool, capacity)
+    step.layer = step.pool = None                    # held by the caller, not by the registry
+
+    def drop(_ref, graphs=graphs, key=key):          # the pool is gone: so is its graph
+        with _lock:
+            graphs.pop(key, None)
+    entry = (step, weakref.ref(bases[0], drop), weakref.ref(bases[1], drop))
+    graphs[key] = entry
+    _stats["captures"] += 1
+    _trim(graphs)
+    return entry
+
+
+def _trim(graphs) -> None:
+    """At most ``MAX_PER_LAYER`` graphs and ``4 MAX_PER_LAYER`` counts, least recently used dropped."""
+    while sum(k[0] != "seen" for k in graphs) > MAX_PER_LAYER:
+        del graphs[next(k for k in graphs if k[0] != "seen")]
+    while sum(k[0] == "seen" for k in graphs) > 4 * MAX_PER_LAYER:
+        del graphs[next(k for k in graphs if k[0] == "seen")]
 
 
 __all__ = ["try_decode", "stats", "clear", "CAPTURE_AFTER", "MAX_PER_LAYER"]

@@ -107,8 +107,12 @@ class Replay(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        if torch.is_grad_enabled():   # create_graph=True: the op-by-op call's custom ops are not twice
+            raise RuntimeError(       # differentiable either (they raise at the second backward)
+                "GatedDeltaNet is not twice differentiable: a backward with create_graph=True (a gradient penalty, "
+                "double backward) through its replayed CUDA graph; its op-by-op custom ops have no second "
+                "derivative either")
         captured = ctx.captured
         tensors = ctx.saved_tensors
         inputs, saved = tensors[:len(captured.static)], tensors[len(captured.static):]

@@ -188,7 +188,7 @@ def _eligible(layer, mixed, capacity: int, state, output_state, held) -> bool:
         return False
     if torch.is_autocast_enabled(mixed.device.type) or capturing(mixed) or validation_enabled():
         return False                                 # (value checks do not run inside a capture)
-    if "_conv_gate" in layer.__dict__ or "_delta_rule" in layer.__dict__:   # overridden on the instance
+    if not _own_methods(layer, ("_conv_gate", "_delta_rule")):
         return False
     # more tokens than the capacity's sequences: no call inside the graph may take the decode path, whose
     # choice comes from the (padded) shapes
@@ -201,6 +201,14 @@ def _eligible(layer, mixed, capacity: int, state, output_state, held) -> bool:
     if _flash_qla_would_run(layer, mixed):   # a capture would run fla's chunk kernels, slower (docs/performance.md)
         return False
     return True
+
+
+def _own_methods(layer, names) -> bool:
+    """The layer's ``names`` are this library's (its classes', none replaced on the instance): the graph of a
+    signature runs the methods of the call it was captured from, so a user's override (reading its own parameters
+    or attributes, which are no graph input) would be baked into every layer sharing the signature."""
+    return all(name not in layer.__dict__ and getattr(type(layer), name).__module__.startswith("gdn_layer.")
+               for name in names)
 
 
 def _flash_qla_would_run(layer, mixed) -> bool:
@@ -230,10 +238,15 @@ def try_layer(layer, x, cu, state, output_state, held):
     if torch.compiler.is_compiling():   # (first: nothing below is traced)
         return None
     from gdn_layer.layer import GatedDeltaNet
-    if layer.projection_layout != "split" or layer.sp_size != 1 or type(layer)._project is not GatedDeltaNet._project:
+    if (layer.projection_layout != "split" or layer.sp_size != 1 or "_project" in layer.__dict__
+            or type(layer)._project is not GatedDeltaNet._project):
         return None                                 # (a subclass with projections of its own: OLMo-Hybrid's)
     projections = (layer.in_proj_qkv, layer.in_proj_a, layer.in_proj_b, layer.in_proj_z, layer.out_proj)
     if not all(plain_linear(m) and m.weight.dtype == x.dtype for m in projections):
+        return None
+    # frozen input projections: eager keeps no reference to x for the backward (an in-place change of x after
+    # the call is allowed there), a replay would (it may have to load x again): the mixing alone replays
+    if x.requires_grad and torch.is_grad_enabled() and not any(m.weight.requires_grad for m in projections[:4]):
         return None
     B, T = x.shape[:2]
     capacity = _capacity(B if cu is None else cu.numel() - 1)

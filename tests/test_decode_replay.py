@@ -30,7 +30,8 @@ class StandInStep:
         self.layer, self.pool = layer, pool
         # (the registry clears .layer and .pool; the graph holds the pool's memory by address, not the tensors)
         self._layer = weakref.ref(layer)
-        self._pool = (weakref.ref(pool.conv_state), weakref.ref(pool.recurrent_state))
+        self._pool = [(weakref.ref(t if t._base is None else t._base), t.storage_offset(), t.shape, t.stride())
+                      for t in (pool.conv_state, pool.recurrent_state)]
         self.x = torch.zeros(capacity, 1, layer.hidden_size, dtype=layer.out_proj.weight.dtype)
         self.slots = torch.full((capacity,), -1, dtype=torch.int64)
         with torch.inference_mode():
@@ -42,7 +43,7 @@ class StandInStep:
         self.slots[:n].copy_(slots)
         self.slots[n:].fill_(-1)
         with mg.paused():
-            pool = GDNState(self._pool[0](), self._pool[1]())
+            pool = GDNState(*(base().as_strided(shape, stride, offset) for base, offset, shape, stride in self._pool))
             y = self._layer()(self.x, state=pool, state_slots=self.slots)
         return y[:n].clone()
 
@@ -171,3 +172,45 @@ def test_calls_a_graph_would_not_see_run_eagerly(replay, case):
     finally:
         set_validation(None)
     assert replay.stats() == {"captures": 0, "replays": 0}
+
+
+def test_autocast_steps_run_eagerly(replay):
+    layer = make_layer()
+    pool = filled_pool(layer, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        steps(layer, pool, [[0, 1]] * 4)
+    assert replay.stats() == {"captures": 0, "replays": 0}
+
+
+def test_a_changed_norm_eps_takes_a_new_graph(replay):
+    layer = make_layer()
+    pool = filled_pool(layer, 4)
+    steps(layer, pool, [[0, 1]] * 3)
+    layer.norm.eps = 0.5
+    steps(layer, pool, [[0, 1]] * 3)
+    assert replay.stats()["captures"] == 2
+
+
+def test_views_of_one_pool_made_afresh_each_step_share_one_graph(replay):
+    layer = make_layer()
+    big = filled_pool(layer, 16)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(12):
+            view = GDNState(big.conv_state[4:12], big.recurrent_state[4:12])
+            layer(torch.randn(2, 1, HIDDEN, dtype=torch.float64, generator=g), state=view,
+                  state_slots=torch.tensor([0, 5]))
+    assert replay.stats() == {"captures": 1, "replays": 10}
+
+
+def test_counts_stay_bounded_and_a_freed_pool_drops_its_graph(replay):
+    layer = make_layer()
+    for seed in range(40):                 # pools used twice each: counted, never captured
+        steps(layer, filled_pool(layer, 2, seed=seed), [[0]] * 2)
+    assert len(dr._kept[layer]) <= 4 * dr.MAX_PER_LAYER
+    pool = filled_pool(layer, 2)
+    steps(layer, pool, [[0]] * 3)
+    assert any(k[0] != "seen" for k in dr._kept[layer])
+    del pool
+    gc.collect()
+    assert all(k[0] == "seen" for k in dr._kept[layer])

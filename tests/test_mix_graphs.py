@@ -563,3 +563,73 @@ def test_no_grad_calls_of_the_whole_layer_replay_like_eager(graphs, T):
     assert torch.allclose(got, want, atol=1e-12, rtol=0)
     assert scopes() == ["layer"] and graphs.stats()["replays"] == 1
 
+
+
+def test_a_double_backward_through_a_replay_raises_as_op_by_op(graphs):
+    m = layer()
+    x, cu = pack()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    for _ in range(3):
+        run(m, x, cu, w)
+    h = x.clone().requires_grad_(True)
+    y = m(h, cu_seqlens=cu)
+    assert graphs.stats()["replays"] >= 1
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad((y * w).sum(), h, create_graph=True)
+
+
+class ScaledBeta(GatedDeltaNet):
+    """A user's subclass: its ``_conv_gate`` reads a parameter of its own (no graph input)."""
+
+    def __init__(self, *args, scale=1.0, **kw):
+        super().__init__(*args, **kw)
+        self.beta_gain = torch.nn.Parameter(torch.tensor(scale, dtype=torch.float64))
+
+    def _conv_gate(self, *args, **kw):
+        q, k, v, g, beta, conv_state = super()._conv_gate(*args, **kw)
+        return q, k, v, g, beta * self.beta_gain, conv_state
+
+
+def test_a_subclass_overriding_the_mixing_runs_op_by_op(graphs):
+    torch.manual_seed(0)
+    a = ScaledBeta(32, 2, 4, 8, 8, backend="torch", dtype=torch.float64, scale=0.9)
+    x, cu = pack()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    got, want = replayed(a, x, cu, w)
+    assert_same(got, want)
+    assert got[2]["beta_gain"] is not None and scopes() == []
+
+
+def test_project_overridden_on_the_instance_keeps_the_projections_eager(graphs):
+    m = layer()
+    original = m._project
+    m._project = lambda x: (lambda mz: (mz[0] * 0.5, mz[1]))(original(x))
+    x, cu = pack()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    got, want = replayed(m, x, cu, w)
+    assert_same(got, want)
+    assert scopes() == ["mix"]
+
+
+def test_frozen_input_projections_allow_an_in_place_change_of_x_after_the_call(graphs):
+    m = layer()
+    for name in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"):
+        getattr(m, name).weight.requires_grad_(False)
+    x, cu = pack()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+
+    def call():
+        m.zero_grad(set_to_none=True)
+        h = x.clone().requires_grad_(True)
+        inner = h * 1.0
+        y = m(inner, cu_seqlens=cu)
+        inner.add_(1.0)                     # allowed op by op: nothing saved x for the backward
+        (y * w).sum().backward()
+        return y.detach(), h.grad, {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+    before = mg.set_enabled(False)
+    want = call()
+    mg.set_enabled(before)
+    for _ in range(3):
+        got = call()
+    assert_same(got, want)
+    assert scopes() == ["mix"]
