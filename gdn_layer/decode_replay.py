@@ -11,7 +11,9 @@ up to a power of two, so every N up to it replays one graph.
 The graph holds the pool's tensors and the layer's parameters by address: the key holds their addresses and
 layouts (with the layer's configuration: a changed norm eps or backend takes a new graph), and a weak reference to
 each pool tensor's base tells that the pool still exists (a new pool, or parameters replaced, take a new graph;
-views of one pool made afresh each step share theirs; a graph is dropped with its pool). The registry holds neither the layer nor the pool. At
+views of one pool made afresh each step share theirs; a graph is dropped with its pool). Only calls on one pool
+count towards its capture: a caller that copies its states into a new pool at every step (the transformers
+adapter, whose states live in transformers' cache) never captures one. The registry holds neither the layer nor the pool. At
 most ``MAX_PER_LAYER`` graphs are kept per layer (least recently used dropped).
 
 Every call runs eagerly, with the same results, where a graph would not see what the eager call does: graphs
@@ -117,9 +119,12 @@ def try_decode(layer, x, cu, pool, slots, checkpoint_slots):
 def _seen_or_capture(layer, graphs, key, pool, capacity, bases):
     """Count a call of ``key``; at the call after ``CAPTURE_AFTER``, capture, keep and return its entry
     ``(step, weakref(conv base), weakref(recurrent base))``, each weak reference dropping the entry with its pool."""
-    count = graphs.pop(("seen", key), 0) + 1
+    count, *seen = graphs.pop(("seen", key), (0, None, None))
+    if not (seen[0] is not None and seen[0]() is bases[0] and seen[1]() is bases[1]):
+        count = 0                                    # counted calls were of another pool (a copy made per step)
+    count += 1
     if count <= CAPTURE_AFTER:
-        graphs[("seen", key)] = count
+        graphs[("seen", key)] = (count, weakref.ref(bases[0]), weakref.ref(bases[1]))
         _trim(graphs)
         return None
     with mix_graphs.paused():                        # (the capture's own eager calls run eagerly)

@@ -214,3 +214,18 @@ def test_counts_stay_bounded_and_a_freed_pool_drops_its_graph(replay):
     del pool
     gc.collect()
     assert all(k[0] == "seen" for k in dr._kept[layer])
+
+
+def test_a_pool_copied_afresh_at_every_step_never_captures(replay, monkeypatch):
+    """The transformers adapter's pattern: the states copied out of the cache into a new pool each step. The
+    allocator may hand the same addresses back (made certain here: a key without addresses), and counting such
+    steps would capture at every third one."""
+    monkeypatch.setattr(dr, "_key", lambda layer, x, pool, capacity: ("one key", capacity))
+    layer = make_layer()
+    src = filled_pool(layer, 2)
+    for _ in range(6):
+        pool = GDNState(src.conv_state.clone(), src.recurrent_state.clone())
+        steps(layer, pool, [[0, 1]])
+        src = pool
+        del pool
+    assert replay.stats() == {"captures": 0, "replays": 0}
