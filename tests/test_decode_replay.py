@@ -17,9 +17,8 @@ import torch
 
 import gdn_layer.decode_replay as dr
 import gdn_layer.mix_graphs as mg
-from gdn_layer import GatedDeltaNet, GDNState
-
-HIDDEN = 32
+from gdn_layer import GDNState
+from test_state_pool import HIDDEN, filled_pool, make_layer   # (slow decay: a lost or leaked state shows)
 
 
 class StandInStep:
@@ -50,31 +49,12 @@ class StandInStep:
 
 @pytest.fixture
 def replay(monkeypatch):
-    monkeypatch.setattr(dr, "_make", StandInStep)
-    monkeypatch.setattr(mg, "_DEVICES", ("cuda", "cpu"))
-    before = mg.set_enabled(True)
+    for module, name, value in ((dr, "_make", StandInStep), (mg, "_DEVICES", ("cuda", "cpu")), (mg, "_enabled", True),
+                                (StandInStep, "made", 0)):
+        monkeypatch.setattr(module, name, value)     # (each restored after the test)
     dr.clear()
-    StandInStep.made = 0
     yield dr
     dr.clear()
-    mg.set_enabled(before)
-
-
-def make_layer(seed=0):
-    torch.manual_seed(seed)
-    layer = GatedDeltaNet(HIDDEN, 2, 4, 8, 8, backend="torch", dtype=torch.float64)
-    with torch.no_grad():   # slow decay: a lost or leaked state shows
-        layer.A_log.uniform_(-4, -2)
-        layer.conv1d.weight.normal_(0, 0.3)
-    return layer.eval()
-
-
-def filled_pool(layer, rows, seed=1):
-    pool = layer.new_state(rows)
-    g = torch.Generator().manual_seed(seed)
-    pool.conv_state.copy_(torch.randn(pool.conv_state.shape, generator=g))
-    pool.recurrent_state.copy_(torch.randn(pool.recurrent_state.shape, generator=g) * 0.3)
-    return pool
 
 
 def steps(layer, pool, plan, seed=5):
