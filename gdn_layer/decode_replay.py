@@ -60,18 +60,25 @@ def clear() -> None:
         _stats.update(captures=0, replays=0)
 
 
-def _plain(layer) -> bool:
-    """No hook (the layer's submodules' or a global one), replaced ``forward`` or accelerate hook anywhere in the
-    layer, and plain tensors as parameters: a replay runs none of the Python an eager call would."""
+def _plain_params(layer):
+    """The layer's parameters (one walk over its submodules), or None where a replay would not run what the eager
+    call runs: a hook (a submodule's or a global one), a ``forward`` replaced on a submodule, an accelerate hook, a
+    parameter of a tensor subclass (DTensor)."""
     g = torch.nn.modules.module
     if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
             or g._global_backward_pre_hooks):
-        return False
+        return None
+    params = []
     for m in layer.modules():
         if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                or (m is not layer and "forward" in m.__dict__) or getattr(m, "_hf_hook", None) is not None):
-            return False
-    return all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in layer.parameters())
+                or (m is not layer and "forward" in m.__dict__) or m.__dict__.get("_hf_hook") is not None):
+            return None
+        for p in m._parameters.values():
+            if p is not None:
+                if type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor:
+                    return None
+                params.append(p)
+    return params
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
@@ -80,14 +87,14 @@ def _base(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
-def _key(layer, x, pool, capacity) -> tuple:
+def _key(layer, x, pool, capacity, params) -> tuple:
     """What the graph holds fixed: the configuration (a changed eps or backend is another graph), x's dtype, the
     capacity, and the addresses and layouts of the pool's tensors and of the parameters."""
     def where(t):
         return (t.data_ptr(), tuple(t.shape), t.stride())
     norm = layer.norm
     return (type(layer), layer.extra_repr(), norm.eps, norm.backend, getattr(norm, "gate", None), capacity, x.dtype,
-            where(pool.conv_state), where(pool.recurrent_state), tuple(where(p) for p in layer.parameters()))
+            where(pool.conv_state), where(pool.recurrent_state), tuple(where(p) for p in params))
 
 
 def try_decode(layer, x, cu, pool, slots, checkpoint_slots):
@@ -96,10 +103,10 @@ def try_decode(layer, x, cu, pool, slots, checkpoint_slots):
         return None
     if not mix_graphs.enabled() or x.device.type not in mix_graphs._DEVICES or capturing(x) or validation_enabled():
         return None
-    if torch.is_autocast_enabled(x.device.type) or not _plain(layer):
+    if torch.is_autocast_enabled(x.device.type) or (params := _plain_params(layer)) is None:
         return None
     capacity = 1 << max(x.shape[0] - 1, 0).bit_length()
-    key = _key(layer, x, pool, capacity)
+    key = _key(layer, x, pool, capacity, params)
     bases = (_base(pool.conv_state), _base(pool.recurrent_state))
     with _lock:
         graphs = _kept.setdefault(layer, OrderedDict())
@@ -143,10 +150,10 @@ def _seen_or_capture(layer, graphs, key, pool, capacity, bases):
 
 def _trim(graphs) -> None:
     """At most ``MAX_PER_LAYER`` graphs and ``4 MAX_PER_LAYER`` counts, least recently used dropped."""
-    while sum(k[0] != "seen" for k in graphs) > MAX_PER_LAYER:
-        del graphs[next(k for k in graphs if k[0] != "seen")]
-    while sum(k[0] == "seen" for k in graphs) > 4 * MAX_PER_LAYER:
-        del graphs[next(k for k in graphs if k[0] == "seen")]
+    kept = [k for k in graphs if k[0] != "seen"]
+    seen = [k for k in graphs if k[0] == "seen"]
+    for k in kept[:max(0, len(kept) - MAX_PER_LAYER)] + seen[:max(0, len(seen) - 4 * MAX_PER_LAYER)]:
+        del graphs[k]
 
 
 __all__ = ["try_decode", "stats", "clear", "CAPTURE_AFTER", "MAX_PER_LAYER"]

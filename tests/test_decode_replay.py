@@ -200,7 +200,7 @@ def test_a_pool_copied_afresh_at_every_step_never_captures(replay, monkeypatch):
     """The transformers adapter's pattern: the states copied out of the cache into a new pool each step. The
     allocator may hand the same addresses back (made certain here: a key without addresses), and counting such
     steps would capture at every third one."""
-    monkeypatch.setattr(dr, "_key", lambda layer, x, pool, capacity: ("one key", capacity))
+    monkeypatch.setattr(dr, "_key", lambda layer, x, pool, capacity, params: ("one key", capacity))
     layer = make_layer()
     src = filled_pool(layer, 2)
     for _ in range(6):
