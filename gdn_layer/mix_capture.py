@@ -22,8 +22,9 @@ replay_lock = threading.RLock()   # one replay at a time (the static buffers are
 class Captured:
     """One signature's graphs and their static buffers."""
 
-    def __init__(self, static, out, saved, fwd, bwd=None, grad_out=None, grads=None):
-        self.static = static        # the graphs' inputs: mixed, z, cu, weight, A_log, dt_bias, norm weight
+    def __init__(self, static, out, saved, fwd, bwd=None, grad_out=None, grads=None, tracked=()):
+        self.static = static        # the graphs' inputs (gdn_layer/mix_graphs.py: try_layer, try_mix)
+        self.tracked = tracked      # indices of the inputs the captured forward saved for its backward
         self.out = out              # the forward graph's output
         self.saved = saved          # what the forward saved for the backward, other than the inputs
         self.fwd, self.bwd = fwd, bwd
@@ -103,30 +104,54 @@ class Replay(torch.autograd.Function):
         owner = object()
         out, saved = captured.forward(inputs, owner)
         ctx.captured, ctx.owner = captured, owner
-        ctx.save_for_backward(*inputs, *saved)
+        # the inputs the captured forward saved for its backward are saved as eager saves them (an in-place
+        # change before the backward raises); the others are only held, to be loaded again if need be
+        ctx.save_for_backward(*(inputs[i] for i in captured.tracked), *saved)
+        ctx.held = tuple(None if i in captured.tracked else t for i, t in enumerate(inputs))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():   # create_graph=True: the op-by-op call's custom ops are not twice
-            raise RuntimeError(       # differentiable either (they raise at the second backward)
-                "GatedDeltaNet is not twice differentiable: a backward with create_graph=True (a gradient penalty, "
-                "double backward) through its replayed CUDA graph; its op-by-op custom ops have no second "
-                "derivative either")
         captured = ctx.captured
         tensors = ctx.saved_tensors
-        inputs, saved = tensors[:len(captured.static)], tensors[len(captured.static):]
-        with replay_lock, captured.on_device():
-            captured.begin()
-            if captured.loaded is not ctx.owner:      # another call of this signature loaded its own since
-                copy_all([*captured.static, *captured.saved, captured.grad_out], [*inputs, *saved, grad])
-                captured.loaded = ctx.owner
-            else:
-                captured.grad_out.copy_(grad)
-            captured.bwd.replay()
-            grads = clone_all(captured.grads)
-            captured.end()
+        n = len(captured.tracked)
+        inputs, saved = list(ctx.held), tensors[n:]
+        for i, t in zip(captured.tracked, tensors[:n]):
+            inputs[i] = t
+        grads = _backward_replay(ctx, captured, inputs, saved, grad)
+        if torch.is_grad_enabled():   # create_graph=True: gradients whose own backward raises, as the op-by-op
+            return (None, *_not_twice_differentiable(grads))   # call's custom ops do
         return (None, *grads)
+
+
+def _not_twice_differentiable(grads):
+    """``grads`` behind a node that raises when a backward reaches it (what ``once_differentiable`` attaches)."""
+    from torch._C import _functions
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    error = _functions.DelayedError(b"GatedDeltaNet is not twice differentiable (a backward through the gradients "
+                                    b"of its replayed CUDA graph); its op-by-op custom ops have no second "
+                                    b"derivative either", len(present))
+    out = error(*[g.detach().requires_grad_(True) for g in present])
+    out = iter(out if isinstance(out, tuple) else (out,))
+    return [None if g is None else next(out) for g in grads]
+
+
+def _backward_replay(ctx, captured, inputs, saved, grad):
+    """The backward graph's replay for the call ``ctx.owner``, its inputs and saved tensors loaded again where
+    another call of the signature loaded its own since; copies of the gradients."""
+    with replay_lock, captured.on_device(), torch.no_grad():
+        captured.begin()
+        if captured.loaded is not ctx.owner:      # another call of this signature loaded its own since
+            copy_all([*captured.static, *captured.saved, captured.grad_out], [*inputs, *saved, grad])
+            captured.loaded = ctx.owner
+        else:
+            captured.grad_out.copy_(grad)
+        captured.bwd.replay()
+        grads = clone_all(captured.grads)
+        captured.end()
+    return grads
 
 
 class _CudaCapture:
@@ -193,7 +218,9 @@ def record(fn, inputs, grad: bool) -> Captured:
     grads = [None] * len(inputs)
     for i, g in zip(differentiable, found):
         grads[i] = g
-    return Captured(static, out.detach(), _internal(saved, static), fwd, bwd, grad_out, grads)
+    kept = {t.detach().untyped_storage().data_ptr() for t in saved}
+    tracked = tuple(i for i, t in enumerate(static) if t.untyped_storage().data_ptr() in kept)
+    return Captured(static, out.detach(), _internal(saved, static), fwd, bwd, grad_out, grads, tracked)
 
 
 def _internal(saved, static) -> list:

@@ -244,10 +244,6 @@ def try_layer(layer, x, cu, state, output_state, held):
     projections = (layer.in_proj_qkv, layer.in_proj_a, layer.in_proj_b, layer.in_proj_z, layer.out_proj)
     if not all(plain_linear(m) and m.weight.dtype == x.dtype for m in projections):
         return None
-    # frozen input projections: eager keeps no reference to x for the backward (an in-place change of x after
-    # the call is allowed there), a replay would (it may have to load x again): the mixing alone replays
-    if x.requires_grad and torch.is_grad_enabled() and not any(m.weight.requires_grad for m in projections[:4]):
-        return None
     B, T = x.shape[:2]
     capacity = _capacity(B if cu is None else cu.numel() - 1)
     if not _eligible(layer, x, capacity, state, output_state, held):

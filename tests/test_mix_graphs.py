@@ -124,7 +124,7 @@ def assert_same(a, b):
     ya, gxa, gpa = a
     yb, gxb, gpb = b
     assert torch.allclose(ya, yb, atol=1e-12, rtol=0)
-    assert torch.allclose(gxa, gxb, atol=1e-12, rtol=0)
+    assert (gxa is None) == (gxb is None) and (gxa is None or torch.allclose(gxa, gxb, atol=1e-12, rtol=0))
     assert gpa.keys() == gpb.keys()
     for n in gpa:
         assert torch.allclose(gpa[n], gpb[n], atol=1e-12, rtol=0), n
@@ -565,17 +565,23 @@ def test_no_grad_calls_of_the_whole_layer_replay_like_eager(graphs, T):
 
 
 
-def test_a_double_backward_through_a_replay_raises_as_op_by_op(graphs):
+@pytest.mark.parametrize("graphs_on", [True, False])
+def test_create_graph_gives_first_order_gradients_and_a_second_backward_raises(graphs, graphs_on):
+    """As op by op: create_graph=True gives the gradients (usable as values); differentiating them raises."""
     m = layer()
     x, cu = pack()
     w = torch.randn(1, 40, 32, dtype=torch.float64)
+    want = eager(m, x, cu, w)
+    graphs.set_enabled(graphs_on)
     for _ in range(3):
         run(m, x, cu, w)
     h = x.clone().requires_grad_(True)
     y = m(h, cu_seqlens=cu)
-    assert graphs.stats()["replays"] >= 1
-    with pytest.raises(RuntimeError, match="not twice differentiable"):
-        torch.autograd.grad((y * w).sum(), h, create_graph=True)
+    assert (graphs.stats()["replays"] >= 1) == graphs_on
+    g, = torch.autograd.grad((y * w).sum(), h, create_graph=True)
+    assert torch.allclose(g.detach(), want[1], atol=1e-12, rtol=0)
+    with pytest.raises(RuntimeError, match="twice differentiable"):
+        g.pow(2).sum().backward()
 
 
 class ScaledBeta(GatedDeltaNet):
@@ -611,25 +617,41 @@ def test_project_overridden_on_the_instance_keeps_the_projections_eager(graphs):
     assert scopes() == ["mix"]
 
 
-def test_frozen_input_projections_allow_an_in_place_change_of_x_after_the_call(graphs):
+@pytest.mark.parametrize("frozen", ["in_projections", "none"])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_in_place_changes_after_the_call_raise_exactly_where_op_by_op_raises(graphs, frozen, x_grad):
+    """The replay saves for its backward what the op-by-op call saves (x only for the projections' weight
+    gradients, the weights only for x's), so an in-place change of x or of a weight before the backward raises
+    in the same cases, and is allowed in the others."""
     m = layer()
-    for name in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"):
-        getattr(m, name).weight.requires_grad_(False)
+    if frozen == "in_projections":
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"):
+            getattr(m, name).weight.requires_grad_(False)
     x, cu = pack()
     w = torch.randn(1, 40, 32, dtype=torch.float64)
 
-    def call():
+    def call(change):
         m.zero_grad(set_to_none=True)
-        h = x.clone().requires_grad_(True)
+        h = x.clone().requires_grad_(x_grad)
         inner = h * 1.0
         y = m(inner, cu_seqlens=cu)
-        inner.add_(1.0)                     # allowed op by op: nothing saved x for the backward
-        (y * w).sum().backward()
+        with torch.no_grad():
+            inner.add_(1.0) if change == "x" else m.in_proj_qkv.weight.mul_(1.0)
+        try:
+            (y * w).sum().backward()
+        except RuntimeError as error:
+            assert "modified by an inplace operation" in str(error)
+            return "raised"
         return y.detach(), h.grad, {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
-    before = mg.set_enabled(False)
-    want = call()
-    mg.set_enabled(before)
-    for _ in range(3):
-        got = call()
-    assert_same(got, want)
-    assert scopes() == ["mix"]
+    for change in ("x", "weight"):
+        graphs.clear()
+        before = mg.set_enabled(False)
+        want = call(change)
+        mg.set_enabled(before)
+        for _ in range(3):
+            got = call(change)
+        assert scopes() == ["layer"]
+        if want == "raised" or got == "raised":
+            assert got == want == "raised", (change, got if got == "raised" else want)
+        else:
+            assert_same(got, want)
