@@ -31,8 +31,7 @@ from collections import OrderedDict
 import torch
 
 from gdn_layer import mix_graphs
-from gdn_layer.derived import capturing
-from gdn_layer.kernels.validation import validation_enabled
+from gdn_layer.submodules import unhooked
 
 CAPTURE_AFTER = 2        # eager calls of a key before its capture
 MAX_PER_LAYER = 4        # graphs kept per layer
@@ -64,14 +63,9 @@ def _plain_params(layer):
     """The layer's parameters (one walk over its submodules), or None where a replay would not run what the eager
     call runs: a hook (a submodule's or a global one), a ``forward`` replaced on a submodule, an accelerate hook, a
     parameter of a tensor subclass (DTensor)."""
-    g = torch.nn.modules.module
-    if (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
-            or g._global_backward_pre_hooks):
-        return None
     params = []
     for m in layer.modules():
-        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                or (m is not layer and "forward" in m.__dict__) or m.__dict__.get("_hf_hook") is not None):
+        if not unhooked(m) or (m is not layer and "forward" in m.__dict__) or m.__dict__.get("_hf_hook") is not None:
             return None
         for p in m._parameters.values():
             if p is not None:
@@ -101,9 +95,7 @@ def try_decode(layer, x, cu, pool, slots, checkpoint_slots):
     """``y [N, 1, hidden]`` of a checked pool call from a replay, or None (then the call runs eagerly)."""
     if torch.compiler.is_compiling() or cu is not None or checkpoint_slots is not None or x.shape[1] != 1:
         return None
-    if not mix_graphs.enabled() or x.device.type not in mix_graphs._DEVICES or capturing(x) or validation_enabled():
-        return None
-    if torch.is_autocast_enabled(x.device.type) or (params := _plain_params(layer)) is None:
+    if not mix_graphs.may_replay(x) or (params := _plain_params(layer)) is None:
         return None
     capacity = 1 << max(x.shape[0] - 1, 0).bit_length()
     key = _key(layer, x, pool, capacity, params)

@@ -20,16 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdn_layer.state import autograd_records
+from gdn_layer.submodules import unhooked
 
 
 def plain_linear(m: nn.Module) -> bool:
     """A bias-free ``nn.Linear`` itself, whose weight may be used directly: no subclass, no ``forward``
     replaced on the instance (accelerate-style wrapping), no forward or backward hook of its own or global."""
-    g = nn.modules.module
-    return (type(m) is nn.Linear and m.bias is None and "forward" not in m.__dict__
-            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-            and not (g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
-                     or g._global_backward_pre_hooks))
+    return type(m) is nn.Linear and m.bias is None and "forward" not in m.__dict__ and unhooked(m)
 
 
 class _TwoProjections(torch.autograd.Function):

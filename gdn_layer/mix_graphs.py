@@ -65,7 +65,7 @@ from gdn_layer.kernels.ops_delta_rule import dense_cu
 from gdn_layer.kernels.validation import validation_enabled
 from gdn_layer.parallel import pad_cu_seqlens
 from gdn_layer.state import autograd_records
-from gdn_layer.submodules import conv_weight
+from gdn_layer.submodules import conv_weight, unhooked
 
 CAPTURE_AFTER = 2        # calls of a signature that run eagerly before it is captured
 MAX_SIGNATURES = 8       # captures kept per process
@@ -156,15 +156,8 @@ def _capacity(n: int) -> int:
 def _plain_norm(norm) -> bool:
     """The silu ``GatedRMSNorm`` as the class defines it: the replay computes it without calling the module, so
     a hook (the module's or a global one) or a ``forward`` replaced on the instance would be skipped."""
-    from torch.nn.modules import module as nn_module
-
     from gdn_layer.norm import GatedRMSNorm
-    if type(norm) is not GatedRMSNorm or norm.gate != "silu" or "forward" in norm.__dict__:
-        return False
-    own = (norm._forward_hooks, norm._forward_pre_hooks, norm._backward_hooks, norm._backward_pre_hooks)
-    everyone = [getattr(nn_module, name, None) for name in (
-        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")]
-    return not any(own) and not any(everyone)
+    return type(norm) is GatedRMSNorm and norm.gate == "silu" and "forward" not in norm.__dict__ and unhooked(norm)
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -180,14 +173,19 @@ def _saved_tensor_hooks_active() -> bool:
         return query() is not None
 
 
+def may_replay(t: torch.Tensor) -> bool:
+    """What every replay needs, the decode steps' too (gdn_layer/decode_replay.py): graphs on, a device that has
+    them, no autocast, no capture under way, validation off (value checks do not run inside a capture)."""
+    return (enabled() and t.device.type in _DEVICES and not torch.is_autocast_enabled(t.device.type)
+            and not capturing(t) and not validation_enabled())
+
+
 def _eligible(layer, mixed, capacity: int, state, output_state, held) -> bool:
     """Everything except the signature's count (module docstring); ``capacity``: the sequences a capture of this
     call holds (``_capacity``)."""
-    if not (enabled() and mixed.device.type in _DEVICES and state is None and output_state is False and held is None
+    if not (may_replay(mixed) and state is None and output_state is False and held is None
             and layer.sp_size == 1 and layer.cp_size == 1):
         return False
-    if torch.is_autocast_enabled(mixed.device.type) or capturing(mixed) or validation_enabled():
-        return False                                 # (value checks do not run inside a capture)
     if not _own_methods(layer, ("_conv_gate", "_delta_rule")):
         return False
     # more tokens than the capacity's sequences: no call inside the graph may take the decode path, whose
@@ -233,7 +231,7 @@ def _plain_on(device, tensors) -> bool:
 
 def try_layer(layer, x, cu, state, output_state, held):
     """``y [B, T, hidden]`` of the whole call from a replay, the projections included (the split layout with plain
-    bias-free ``nn.Linear`` projections of x's dtype, no SP), or None (then ``try_mix`` is asked after the
+    bias-free ``nn.Linear`` projections, no SP), or None (then ``try_mix`` is asked after the
     projections). Raises nothing of its own: the inputs were checked."""
     if torch.compiler.is_compiling():   # (first: nothing below is traced)
         return None
@@ -242,7 +240,7 @@ def try_layer(layer, x, cu, state, output_state, held):
             or type(layer)._project is not GatedDeltaNet._project):
         return None                                 # (a subclass with projections of its own: OLMo-Hybrid's)
     projections = (layer.in_proj_qkv, layer.in_proj_a, layer.in_proj_b, layer.in_proj_z, layer.out_proj)
-    if not all(plain_linear(m) and m.weight.dtype == x.dtype for m in projections):
+    if not all(plain_linear(m) for m in projections):   # (their dtypes are x's: check_inputs, outside autocast)
         return None
     B, T = x.shape[:2]
     capacity = _capacity(B if cu is None else cu.numel() - 1)
@@ -328,5 +326,5 @@ def _capture(layer, fn, inputs, grad, key):
     return captured
 
 
-__all__ = ["enabled", "set_enabled", "paused", "clear", "stats", "try_layer", "try_mix", "mix", "whole", "CAPTURE_AFTER",
+__all__ = ["enabled", "set_enabled", "paused", "clear", "stats", "may_replay", "try_layer", "try_mix", "mix", "whole", "CAPTURE_AFTER",
            "MAX_SIGNATURES"]

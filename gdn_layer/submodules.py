@@ -41,3 +41,12 @@ def conv_weight(conv: nn.Conv1d) -> torch.Tensor:
     weight = conv.weight
     hook.post_forward(conv, ())
     return weight
+
+
+def unhooked(m: nn.Module) -> bool:
+    """Whether ``m`` has no forward or backward hook of its own and no global module hook is registered: a call
+    that reads ``m``'s weights without calling it (a fused GEMM, a CUDA graph replay) skips nothing then."""
+    g = nn.modules.module
+    return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+                or g._global_backward_pre_hooks)
