@@ -50,13 +50,15 @@ class Captured:
             _last_event(self.device).record(torch.cuda.current_stream(self.device))
 
     def forward(self, inputs, owner=None):
+        """``(out, saved)``: copies of the output and, for a call that will run the backward (``owner``), of the
+        saved tensors (else an empty list)."""
         with replay_lock, self.on_device():
             self.begin()
             self.load(inputs, owner)
             self.fwd.replay()
             out, *saved = clone_all([self.out, *(self.saved if owner is not None else ())])
             self.end()
-        return out, (saved if owner is not None else None)
+        return out, saved
 
 
 def copy_all(dst: list, src: list) -> None:
