@@ -54,7 +54,7 @@ def _peer_blocks(t: torch.Tensor, me: int) -> list[torch.Tensor]:
 
 def _post(sends, recvs, me: int, group) -> list:
     """Post ``sends[j]`` to and ``recvs[j]`` from the j-th peer (ranks of ``group`` but ``me``, in order)
-    as one batch; returns the works to ``_wait`` on. Empty blocks (no tokens or no features) are
+    as one batch; returns the works to wait on. Empty blocks (no tokens or no features) are
     replaced by one-element placeholders: a rank that skipped the exchange would leave a peer whose
     shapes differ (it has tokens) waiting for the group's timeout; with a message posted, the mismatch
     fails at once, as any other (gloo: "Received data size doesn't match expected size")."""
@@ -71,10 +71,18 @@ def _post(sends, recvs, me: int, group) -> list:
     return dist.batch_isend_irecv(ops)
 
 
-def _wait(works) -> None:
-    # NCCL: the current stream waits for the exchange (no host sync); gloo: the host waits
+@torch.compiler.disable
+def _exchange(sends, recvs, me: int, group, meanwhile):
+    """Post the exchange, run ``meanwhile()`` (the work that overlaps it), wait (NCCL: the current stream
+    waits, no host sync; gloo: the host waits); returns what ``meanwhile`` returns.
+
+    Never traced by ``torch.compile``: a compiled graph writing the own row of a receive buffer copies the
+    whole buffer back (functionalized) over rows still arriving from the peers, a race losing them."""
+    works = _post(sends, recvs, me, group)
+    out = meanwhile()
     for w in works:
         w.wait()
+    return out
 
 
 class _SeqToHead(torch.autograd.Function):
@@ -100,9 +108,8 @@ class _SeqToHead(torch.autograd.Function):
         send = x.new_empty(P - 1, T_local, B, plan.width)
         for lo, hi, j in _peer_ranges(P, me):
             pack_rows(x, plan, feature_index, send[j:j + hi - lo], lo, hi)
-        works = _post(send.unbind(0), [recv[d] for d in _peers(P, me)], me, group)
-        pack_rows(x, plan, feature_index, recv[me:me + 1], me, me + 1)      # overlaps the exchange
-        _wait(works)
+        _exchange(send.unbind(0), [recv[d] for d in _peers(P, me)], me, group,
+                  lambda: pack_rows(x, plan, feature_index, recv[me:me + 1], me, me + 1))
         return recv
 
     @staticmethod
@@ -116,9 +123,8 @@ class _SeqToHead(torch.autograd.Function):
         P, T_local, B, _ = grad.shape
         out = unpack_start(grad, plan, B, T_local, ctx.F)
         back = grad.new_empty(P - 1, *grad.shape[1:])
-        works = _post(_peer_blocks(grad, me), back.unbind(0), me, group)
-        unpack_rows(out, grad[me:me + 1], plan, feature_index, me, me + 1, first=me)   # overlaps
-        _wait(works)
+        _exchange(_peer_blocks(grad, me), back.unbind(0), me, group,
+                  lambda: unpack_rows(out, grad[me:me + 1], plan, feature_index, me, me + 1, first=me))
         for lo, hi, j in _peer_ranges(P, me):
             unpack_rows(out, back[j:j + hi - lo], plan, feature_index, lo, hi, first=me)
         return out, None, None, None, None
@@ -141,13 +147,11 @@ class _HeadToSeq(torch.autograd.Function):
         T_local = T // size
         xt = x.transpose(0, 1).unflatten(0, (size, T_local))         # [P, T_local, B, F_local], a view
         recv = x.new_empty(size - 1, T_local, B, F_local)            # block j: peer j's features of my tokens
-        works = _post(_peer_blocks(xt, me), recv.unbind(0), me, group)
         out = x.new_empty(B, T_local, size * F_local)
-        out.view(B, T_local, size, F_local)[:, :, me].copy_(xt[me].transpose(0, 1))   # overlaps the exchange
-        _wait(works)
-        # the view is taken after the wait: under torch.compile the wait is a graph break, and a resumed
-        # graph given both out and a view of it (then written) fails in AOT autograd's aliasing path with
-        # dynamic shapes
+        _exchange(_peer_blocks(xt, me), recv.unbind(0), me, group,
+                  lambda: out.view(B, T_local, size, F_local)[:, :, me].copy_(xt[me].transpose(0, 1)))
+        # the view is taken after the exchange (a graph break under torch.compile): a resumed graph given both
+        # out and a view of it (then written) fails in AOT autograd's aliasing path with dynamic shapes
         by_rank = out.view(B, T_local, size, F_local)
         for lo, hi, j in _peer_ranges(size, me):
             by_rank[:, :, lo:hi].copy_(recv[j:j + hi - lo].permute(2, 1, 0, 3))
@@ -161,9 +165,8 @@ class _HeadToSeq(torch.autograd.Function):
         F_local = F // P                 # explicit: a -1 is ambiguous when the gradient has no elements
         blocks = grad.unflatten(2, (P, F_local)).permute(2, 1, 0, 3)  # [P, T_local, B, F_local], a view
         back = grad.new_empty(P, T_local, B, F_local)                # block s: my features of rank s's tokens
-        works = _post(_peer_blocks(blocks, me), [back[d] for d in _peers(P, me)], me, ctx.group)
-        back[me].copy_(blocks[me])                                   # overlaps the exchange
-        _wait(works)
+        _exchange(_peer_blocks(blocks, me), [back[d] for d in _peers(P, me)], me, ctx.group,
+                  lambda: back[me].copy_(blocks[me]))
         return back.view(P * T_local, B, F_local).transpose(0, 1), None, None, None
 
 
@@ -219,9 +222,8 @@ class _ProjectToHead(torch.autograd.Function):
         for j, d in enumerate(peers):
             torch.mm(rows, w[d].t(), out=send[j])
         recv = rows.new_empty(P, N, W)
-        works = _post(send.unbind(0), [recv[d] for d in peers], me, group)
-        torch.mm(rows, w[me].t(), out=recv[me])                      # overlaps the exchange
-        _wait(works)
+        _exchange(send.unbind(0), [recv[d] for d in peers], me, group,
+                  lambda: torch.mm(rows, w[me].t(), out=recv[me]))
         return recv.view(P, T_local, B, W)
 
     @staticmethod
@@ -233,18 +235,20 @@ class _ProjectToHead(torch.autograd.Function):
         N = rows.shape[0]
         peers = _peers(P, me)
         back = grad.new_empty(P - 1, N, W)
-        works = _post([b.view(N, W) for b in _peer_blocks(grad, me)], back.unbind(0), me, ctx.group)
         want_rows, want_w = ctx.needs_input_grad[:2]
-        drows = dw = None
-        g = grad[me].reshape(N, W)                                   # overlaps the exchange
         low = rows.dtype in (torch.float16, torch.bfloat16)
-        if want_rows:
-            drows = torch.mm(g, w[me])
-            drows = drows.float() if low else drows
-        if want_w:
-            dw = w.new_empty(P, W, H)
-            torch.mm(g.t(), rows, out=dw[me])
-        _wait(works)
+
+        def own_block():
+            g, drows, dw = grad[me].reshape(N, W), None, None
+            if want_rows:
+                drows = torch.mm(g, w[me])
+                drows = drows.float() if low else drows
+            if want_w:
+                dw = w.new_empty(P, W, H)
+                torch.mm(g.t(), rows, out=dw[me])
+            return drows, dw
+        drows, dw = _exchange([b.view(N, W) for b in _peer_blocks(grad, me)], back.unbind(0), me, ctx.group,
+                              own_block)
         for j, d in enumerate(peers):
             if want_rows:
                 if low:

@@ -125,6 +125,72 @@ def _cp_plans_once_per_pack(rank, world, token_order):
     return builds[0]
 
 
+def _no_graph_while_an_exchange_is_in_flight(rank, world):
+    """Under torch.compile no compiled graph runs between posting an all-to-all exchange and waiting for it:
+    a graph writing the own row of a receive buffer copies the whole buffer back (functionalization) over
+    the rows still arriving from the peer, which lost rows of the layer's output on a loaded machine. Every
+    graph call of the compiled SP layer and of the three exchanges (forward and backward) is checked; the
+    outputs equal eager's. Returns the number of graph calls."""
+    from gdn_layer.parallel import all_to_all, project_seq_to_head
+    torch._dynamo.reset()
+    pending, graph_calls = [0], [0]
+    aot_eager, real_post = torch._dynamo.lookup_backend("aot_eager"), all_to_all._post
+
+    class _Tracked:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            pending[0] -= 1
+            return self.work.wait()
+
+    @torch.compiler.disable
+    def post(*args):
+        works = real_post(*args)
+        pending[0] += len(works)
+        return [_Tracked(w) for w in works]
+
+    def checking(gm, example_inputs):
+        compiled = aot_eager(gm, example_inputs)
+
+        def run(*args):
+            graph_calls[0] += 1
+            assert pending[0] == 0, "a compiled graph ran while an exchange was in flight"
+            return compiled(*args)
+        return run
+
+    layer = _layer(sp_group=dist.group.WORLD)
+    idx = torch.tensor([[0, 2, 3], [1, 3, 0]])
+    w = _rand(7, 4, HIDDEN)
+
+    def exchanges(x, w):
+        h = seq_to_head(x[..., :4], idx, dist.group.WORLD) + project_seq_to_head(x, w, idx, dist.group.WORLD)
+        return head_to_seq(h.sin(), dist.group.WORLD)
+
+    all_to_all._post = post
+    try:
+        g = torch.Generator().manual_seed(3)
+        for fn, extra in ((layer, {"cu_seqlens": torch.tensor([0, 10, 30, T], dtype=torch.int32)}), (exchanges, {})):
+            compiled = torch.compile(fn, backend=checking, dynamic=True)
+            x = torch.randn(1, T // world, HIDDEN, dtype=torch.float64, generator=g)
+            args = (w,) if fn is exchanges else ()
+            outs = []
+            for f in (fn, compiled):
+                xi = x.clone().requires_grad_()
+                y = f(xi, *args, **extra)
+                y.square().sum().backward()
+                outs.append((y.detach(), xi.grad))
+            for a, b in zip(*outs):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    finally:
+        all_to_all._post = real_post
+    return graph_calls[0] > 0
+
+
+def test_compiled_sp_layer_runs_no_graph_while_an_exchange_is_in_flight(pool2):
+    assert pool2.run(_no_graph_while_an_exchange_is_in_flight) == [True, True]
+
+
 def test_compiled_sp_layer_plans_the_feature_index_once(pool2):
     assert pool2.run(_sp_plans_once) == [1, 1]
 
