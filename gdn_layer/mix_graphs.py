@@ -251,7 +251,8 @@ def try_layer(layer, x, cu, state, output_state, held):
         return None
     if cu is None:   # B rows of T tokens: one pack [0, T, ..., B T] (every op is per token or per sequence)
         x, cu = x.reshape(1, B * T, -1), dense_cu(B, T, x.device)
-    y = _replay(layer, "layer", whole, (x, pad_cu_seqlens(cu, capacity), *params), capacity, cu.dtype)
+    cu = pad_cu_seqlens(cu, capacity)
+    y = _replay(layer, "layer", whole, (x, cu, *params), cu, capacity)
     return None if y is None else y.view(B, T, -1)
 
 
@@ -269,17 +270,19 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
         return None
     if cu is None:   # [0, T, ..., B T], kept per shape (the graph reads its own copy, so it may be dropped)
         mixed, z, cu = mixed.reshape(1, B * T, -1), z.reshape(1, B * T, *z.shape[2:]), dense_cu(B, T, mixed.device)
-    o = _replay(layer, "mix", mix, (mixed, z, pad_cu_seqlens(cu, capacity), *params), capacity, cu.dtype)
+    cu = pad_cu_seqlens(cu, capacity)
+    o = _replay(layer, "mix", mix, (mixed, z, cu, *params), cu, capacity)
     return None if o is None else o.view(B, T, *o.shape[2:])
 
 
-def _replay(layer, scope, fn, inputs, capacity, cu_dtype):
+def _replay(layer, scope, fn, inputs, cu, capacity):
     """``fn(layer, *inputs)`` from its signature's capture, or None: not yet captured (the first
-    ``CAPTURE_AFTER`` calls, and inside a backward) or a capture that failed. ``inputs[2]``: the padded
-    ``cu_seqlens``."""
-    tensors = (*inputs[:2], *inputs[3:])
+    ``CAPTURE_AFTER`` calls, and inside a backward) or a capture that failed. ``cu``: the padded ``cu_seqlens``,
+    one of ``inputs`` (its values are no part of the signature; every other input's shape, dtype and
+    ``requires_grad`` are)."""
+    tensors = tuple(t for t in inputs if t is not cu)
     grad = autograd_records(tensors[0], tensors[1:])
-    key = _signature(layer, scope, tensors, capacity, cu_dtype, grad)
+    key = _signature(layer, scope, tensors, capacity, cu.dtype, grad)
     with _lock:
         captured = _kept.get(key, False)
         if captured is None:                        # a failed capture: eager for good
@@ -314,7 +317,7 @@ def _capture(layer, fn, inputs, grad, key):
         failed = [k for k, c in _kept.items() if c is None]
         for k in failed[:-4 * MAX_SIGNATURES]:
             del _kept[k]
-        what = "this call signature" if key[5] == "layer" else "the token mixing of this call signature"
+        what = "this call signature" if fn is whole else "the token mixing of this call signature"
         warnings.warn(f"GatedDeltaNet: {what} runs eagerly; its CUDA graph capture failed "
                       f"({type(error).__name__}: {error})", RuntimeWarning, stacklevel=5)
         return None

@@ -236,6 +236,28 @@ def test_frozen_parameters_and_no_grad_calls_have_their_own_captures(graphs):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("trainable", ["in_proj_qkv.weight", "in_proj_z.weight", "conv1d.weight", "out_proj.weight"])
+def test_one_trainable_parameter_and_an_input_without_grad_replay_with_its_eager_gradient(graphs, trainable):
+    """Every input but ``cu_seqlens`` counts for the signature and for whether the replay records autograd: the
+    first projection weight too (it sits where the mix's ``cu_seqlens`` does)."""
+    m = layer()
+    for name, p in m.named_parameters():
+        p.requires_grad_(name == trainable)
+    x, cu = pack()
+    w = torch.randn(1, 40, 32, dtype=torch.float64)
+    want = None
+    for enabled in (False, True, True, True):
+        graphs.set_enabled(enabled)
+        m.zero_grad(set_to_none=True)
+        y = m(x, cu_seqlens=cu)
+        (y * w).sum().backward()
+        got = (y.detach(), m.get_parameter(trainable).grad.clone())
+        want = want or got
+    assert graphs.stats()["replays"] == 1
+    assert torch.allclose(got[0], want[0], atol=1e-12, rtol=0)
+    assert torch.allclose(got[1], want[1], atol=1e-12, rtol=0)
+
+
 def test_inference_mode_calls_replay_and_training_follows(graphs):
     m = layer()
     x, cu = pack()
