@@ -59,20 +59,16 @@ def clear() -> None:
         _stats.update(captures=0, replays=0)
 
 
-def _plain_params(layer):
+def _plain_params(layer, device):
     """The layer's parameters (one walk over its submodules), or None where a replay would not run what the eager
     call runs: a hook (a submodule's or a global one), a ``forward`` replaced on a submodule, an accelerate hook, a
-    parameter of a tensor subclass (DTensor)."""
+    parameter of a tensor subclass (DTensor) or on another device (``mix_graphs.plain_tensors_on``)."""
     params = []
     for m in layer.modules():
         if not unhooked(m) or (m is not layer and "forward" in m.__dict__) or m.__dict__.get("_hf_hook") is not None:
             return None
-        for p in m._parameters.values():
-            if p is not None:
-                if type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor:
-                    return None
-                params.append(p)
-    return params
+        params.extend(p for p in m._parameters.values() if p is not None)
+    return params if mix_graphs.plain_tensors_on(device, params) else None
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
@@ -95,7 +91,7 @@ def try_decode(layer, x, cu, pool, slots, checkpoint_slots):
     """``y [N, 1, hidden]`` of a checked pool call from a replay, or None (then the call runs eagerly)."""
     if torch.compiler.is_compiling() or cu is not None or checkpoint_slots is not None or x.shape[1] != 1:
         return None
-    if not mix_graphs.may_replay(x) or (params := _plain_params(layer)) is None:
+    if not mix_graphs.may_replay(x) or (params := _plain_params(layer, x.device)) is None:
         return None
     capacity = 1 << max(x.shape[0] - 1, 0).bit_length()
     key = _key(layer, x, pool, capacity, params)

@@ -224,8 +224,9 @@ def _signature(layer, scope: str, tensors, capacity: int, cu_dtype, grad: bool) 
             tuple(t.requires_grad for t in tensors) if grad else ())
 
 
-def _plain_on(device, tensors) -> bool:
-    """Plain tensors and parameters on ``device``: DTensor (FSDP2), other subclasses, another device run op by op."""
+def plain_tensors_on(device, tensors) -> bool:
+    """Plain tensors and parameters on ``device``: DTensor (FSDP2), other subclasses, another device run op by op
+    (the decode replays' rule too)."""
     return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device == device for t in tensors)
 
 
@@ -247,7 +248,7 @@ def try_layer(layer, x, cu, state, output_state, held):
     if not _eligible(layer, x, capacity, state, output_state, held):
         return None
     params = (*(m.weight for m in projections[:4]), *_params(layer), projections[4].weight)
-    if not _plain_on(x.device, (x, *params)):
+    if not plain_tensors_on(x.device, (x, *params)):
         return None
     if cu is None:   # B rows of T tokens: one pack [0, T, ..., B T] (every op is per token or per sequence)
         x, cu = x.reshape(1, B * T, -1), dense_cu(B, T, x.device)
@@ -266,7 +267,7 @@ def try_mix(layer, mixed, z, cu, state, output_state, held):
     if not _eligible(layer, mixed, capacity, state, output_state, held):
         return None
     params = _params(layer)
-    if not _plain_on(mixed.device, (z, *params)):
+    if not plain_tensors_on(mixed.device, (z, *params)):
         return None
     if cu is None:   # [0, T, ..., B T], kept per shape (the graph reads its own copy, so it may be dropped)
         mixed, z, cu = mixed.reshape(1, B * T, -1), z.reshape(1, B * T, *z.shape[2:]), dense_cu(B, T, mixed.device)
@@ -329,5 +330,5 @@ def _capture(layer, fn, inputs, grad, key):
     return captured
 
 
-__all__ = ["enabled", "set_enabled", "paused", "clear", "stats", "may_replay", "try_layer", "try_mix", "mix", "whole", "CAPTURE_AFTER",
+__all__ = ["enabled", "set_enabled", "paused", "clear", "stats", "may_replay", "plain_tensors_on", "try_layer", "try_mix", "mix", "whole", "CAPTURE_AFTER",
            "MAX_SIGNATURES"]

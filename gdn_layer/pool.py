@@ -248,10 +248,10 @@ def _decode_step(layer, mixed, pool: GDNState, slots):
     indexes ``slots`` by position: an int64 column of a wider table is made contiguous)."""
     weight = conv_weight(layer.conv1d).squeeze(1)
     return pool_decode_step(mixed if mixed.stride(-1) == 1 else mixed.contiguous(),
-                       weight if weight.stride(-1) == 1 else weight.contiguous(),
-                       layer.A_log.contiguous(), layer.dt_bias.contiguous(), pool.conv_state, pool.recurrent_state,
-                       slots.long().contiguous(), layer.num_k_heads, layer.num_v_heads, layer.head_k_dim,
-                       layer.head_v_dim)
+                            weight if weight.stride(-1) == 1 else weight.contiguous(),
+                            layer.A_log.contiguous(), layer.dt_bias.contiguous(), pool.conv_state,
+                            pool.recurrent_state, slots.long().contiguous(), layer.num_k_heads, layer.num_v_heads,
+                            layer.head_k_dim, layer.head_v_dim)
 
 
 def _mix_from(layer, mixed, cu, state: GDNState):

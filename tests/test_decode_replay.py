@@ -124,8 +124,12 @@ def test_replaced_parameters_take_a_new_graph(replay):
     assert replay.stats()["captures"] == 2
 
 
+class TaggedParameter(torch.nn.Parameter):
+    """A parameter of a subclass (as DTensor is one): a graph would not see what its ops dispatch to."""
+
+
 @pytest.mark.parametrize("case", ["hook", "disabled", "paused", "validation", "cu_seqlens", "two_tokens",
-                                  "checkpoints"])
+                                  "checkpoints", "subclass_parameter"])
 def test_calls_a_graph_would_not_see_run_eagerly(replay, case):
     from gdn_layer.kernels.validation import set_validation
     layer = make_layer()
@@ -145,6 +149,8 @@ def test_calls_a_graph_would_not_see_run_eagerly(replay, case):
         x = torch.randn(2, 2, HIDDEN, dtype=torch.float64)
     elif case == "checkpoints":
         kw = {"checkpoint_slots": torch.tensor([[2], [3]])}
+    elif case == "subclass_parameter":
+        layer.A_log = TaggedParameter(layer.A_log.detach().clone())
     try:
         with torch.no_grad(), (mg.paused() if case == "paused" else contextlib.nullcontext()):
             for _ in range(4):
