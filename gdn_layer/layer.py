@@ -181,7 +181,7 @@ class GatedDeltaNet(nn.Module):
         return derived_from_sizes(self._feature_index_cache, (device.type, device.index), build)
 
     _graphed = None   # gdn_layer.graphed.GraphedCall on a layer captured by make_graphed_layers
-    _fuses_decode = True   # False where a subclass changes _conv_gate / _delta_rule (the pool's fused step skips them)
+    _fuses_decode = None   # None: the pool's fused step runs where _conv_gate / _delta_rule are these (pool.py)
 
     def __deepcopy__(self, memo):
         """A deep copy that shares the SP (and CP) process group (which cannot be copied or pickled): EMA and

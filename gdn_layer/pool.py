@@ -235,12 +235,23 @@ def forward_pool(layer, x, cu_seqlens, pool, output_state, token_order, state_sl
 
 
 def _fused_decode(layer, x, cu, pool: GDNState, checkpoint_slots) -> bool:
-    """Whether the call is a decode step the fused kernels take (from the layer's class, shapes and the device)."""
-    return (layer._fuses_decode and checkpoint_slots is None and cu is None and x.shape[1] == 1
+    """Whether the call is a decode step the fused kernels take (from the layer's methods, shapes and the device)."""
+    return (_kernels_match(layer) and checkpoint_slots is None and cu is None and x.shape[1] == 1
             and pool.conv_state.stride(-1) == 1 and pool.recurrent_state.stride(-1) == 1
             and pool.conv_state.stride(0) != 0 and pool.recurrent_state.stride(0) != 0   # (rows of their own)
             and not torch.compiler.is_compiling()          # (a trace takes the op-by-op step: aten ops only)
             and (x.is_cuda or (FUSED_DECODE_ON_CPU and x.device.type == "cpu")))
+
+
+def _kernels_match(layer) -> bool:
+    """Whether the fused kernels compute what the layer's ``_conv_gate`` and ``_delta_rule`` do: they are
+    ``GatedDeltaNet``'s own (a subclass or an instance replacing either decodes op by op), unless the class
+    says otherwise (``_fuses_decode``: OLMo-Hybrid's block, whose gate differs only with ``allow_neg_eigval``)."""
+    from gdn_layer.layer import GatedDeltaNet
+    if layer._fuses_decode is not None:
+        return layer._fuses_decode
+    return all(name not in layer.__dict__ and getattr(type(layer), name) is getattr(GatedDeltaNet, name)
+               for name in ("_conv_gate", "_delta_rule"))
 
 
 def _decode_step(layer, mixed, pool: GDNState, slots):

@@ -405,6 +405,40 @@ def test_a_subclass_whose_gate_differs_decodes_op_by_op(fused_decode_on_cpu, all
         assert err(pool.recurrent_state[r], want.recurrent_state[0]) < 1e-12
 
 
+def half_beta(layer, *args, **kwargs):
+    """``GatedDeltaNet._conv_gate`` with beta halved: a gate the fused decode kernels do not compute."""
+    q, k, v, g, beta, conv_state = GatedDeltaNet._conv_gate(layer, *args, **kwargs)
+    return q, k, v, g, beta * 0.5, conv_state
+
+
+class HalfBeta(GatedDeltaNet):
+    _conv_gate = half_beta
+
+
+@pytest.mark.parametrize("where", ["subclass", "instance"])
+def test_a_replaced_conv_gate_decodes_op_by_op_like_its_own_state_path(fused_decode_on_cpu, where):
+    """The fused kernels compute the library's own conv/gate and delta rule: a class or an instance replacing
+    either decodes op by op, equal to its own ``GDNState`` path (which runs the replacement)."""
+    torch.manual_seed(0)
+    layer = (HalfBeta if where == "subclass" else GatedDeltaNet)(HIDDEN, HK, HV, DK, DV, backend="torch",
+                                                                 dtype=torch.float64).eval()
+    if where == "instance":
+        layer._conv_gate = lambda *a, **kw: half_beta(layer, *a, **kw)
+    pool = filled_pool(layer, 4)
+    before = copy_of(pool)
+    slots = torch.tensor([3, 0])
+    x = torch.randn(2, 1, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        y = layer(x, state=pool, state_slots=slots)
+    assert len(fused_decode_on_cpu) == 0
+    for i, r in enumerate(slots.tolist()):
+        with torch.no_grad():
+            want_y, want = layer(x[i:i + 1], state=GDNState(before.conv_state[r:r + 1],
+                                                            before.recurrent_state[r:r + 1]), output_state=True)
+        assert err(y[i:i + 1], want_y) < 1e-12
+        assert err(pool.recurrent_state[r], want.recurrent_state[0]) < 1e-12
+
+
 def test_the_fused_decode_step_reads_slots_given_as_a_strided_view(fused_decode_on_cpu):
     """A column of a per-request table (an int64 view with stride 2) names the same rows as its copy."""
     layer = make_layer()
